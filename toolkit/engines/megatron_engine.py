@@ -1,0 +1,242 @@
+"""The Megatron-Core engine: one process of a torchrun job.
+
+The step is Megatron-Core's own: its pipeline schedule runs forward/backward over the
+micro-batches, its DDP wrapper reduces gradients, its optimizer (the distributed
+optimizer for ZeRO stages 1-2) steps, and its scheduler sets the learning rate.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from .. import synthetic_data
+from ..layout import ParallelLayout
+from ..validation import transformer_engine_available
+from .megatron_cpu_compat import apply_megatron_fixes, cpu_compat
+from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs
+
+
+def init_parallel(cfg, layout: ParallelLayout):
+    """torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron-Core's process groups."""
+    from megatron.core import parallel_state as ps
+
+    on_cpu = cfg.cluster.device == "cpu"
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(
+            f"torchrun started {dist.get_world_size()} processes but the plan has {layout.world_size}"
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        order=layout.order,
+    )
+
+
+def observed_coordinates() -> dict:
+    """This rank's coordinates and group members as Megatron-Core actually built them."""
+    from megatron.core import parallel_state as ps
+
+    def members(group):
+        return dist.get_process_group_ranks(group)
+
+    return {
+        "rank": dist.get_rank(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_rank(),
+        "groups": {
+            "tp": members(ps.get_tensor_model_parallel_group()),
+            "pp": members(ps.get_pipeline_model_parallel_group()),
+            "dp": members(ps.get_data_parallel_group()),
+            "cp": members(ps.get_context_parallel_group()),
+            "ep": members(ps.get_expert_model_parallel_group()),
+            "etp": members(ps.get_expert_tensor_parallel_group()),
+            "edp": members(ps.get_expert_data_parallel_group()),
+        },
+    }
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float()
+    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    # The schedule divides the returned loss in place by the number of micro-batches;
+    # report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+class MegatronTrainer:
+    """Builds the model, optimizer and schedule for one rank, then runs training steps."""
+
+    def __init__(self, cfg, layout: ParallelLayout):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer import TransformerConfig
+
+        self.cfg, self.layout = cfg, layout
+        self.on_cpu = cfg.cluster.device == "cpu"
+        self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+        t, p = cfg.train, cfg.precision
+        torch.manual_seed(t.seed)
+        model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu)
+
+        self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
+        te = (not self.on_cpu) and transformer_engine_available()
+        self.spec_name = "transformer_engine" if te else "local+sdpa"
+        chunks = build_model_chunks(cfg, self.tcfg, te)
+        use_dist_opt = cfg.zero.stage >= 1
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_dist_opt,
+        )
+        self.model = []
+        for i, chunk in enumerate(chunks):
+            if not self.on_cpu:
+                chunk.cuda(torch.cuda.current_device())
+            self.model.append(
+                DistributedDataParallel(
+                    config=self.tcfg, ddp_config=ddp_config, module=chunk,
+                    disable_bucketing=i > 0,
+                )
+            )
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            bf16=p.params_dtype == "bf16",
+            fp16=p.params_dtype == "fp16",
+            params_dtype=DTYPES[p.params_dtype],
+            clip_grad=t.grad_clip,
+            use_distributed_optimizer=use_dist_opt,
+            initial_loss_scale=2.0**16 if p.params_dtype == "fp16" else None,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps,
+            lr_decay_steps=t.steps,
+            lr_decay_style="cosine",
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=t.steps,
+            wd_incr_style="constant",
+        )
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.is_logging_rank = (
+            ps.is_pipeline_last_stage(ignore_virtual=True)
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
+
+    def parameter_count(self) -> int:
+        """Parameters held by this rank (sharded counts, not the model total)."""
+        return sum(p.numel() for m in self.model for p in m.parameters())
+
+    def train_step(self, step: int) -> dict:
+        """One global batch: forward/backward over all micro-batches, then one update."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        t = self.cfg.train
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def batches():
+            return synthetic_data.micro_batches(
+                step, self.dp_rank, self.layout.dp, self.num_micro, t.micro_batch_size,
+                t.seq_length, self.cfg.model.vocab_size, t.seed, self.device,
+            )
+
+        iterators = [batches() for _ in self.model]
+        forward_backward = get_forward_backward_func()
+        losses = forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_micro,
+            seq_length=t.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            decoder_seq_length=t.seq_length,
+            forward_only=False,
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        loss = torch.zeros(1, device=self.device)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            loss += torch.stack([x["lm loss"] for x in losses]).mean()
+            dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+            loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
+        return {
+            "loss": float(loss.item()),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_skipped": 0.0 if updated else 1.0,
+        }
+
+    def compat_context(self):
+        return cpu_compat() if self.on_cpu else contextlib.nullcontext()
+
+
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
+    """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank."""
+    apply_megatron_fixes()
+    on_cpu = cfg.cluster.device == "cpu"
+    ctx = cpu_compat() if on_cpu else contextlib.nullcontext()
+    with ctx:
+        init_parallel(cfg, layout)
+        trainer = MegatronTrainer(cfg, layout)
+        if on_start is not None:
+            on_start(trainer)
+        for step in range(cfg.train.steps):
+            if not on_cpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            metrics = trainer.train_step(step)
+            if not on_cpu:
+                torch.cuda.synchronize()
+            metrics["step_time_s"] = time.perf_counter() - start
+            if trainer.is_logging_rank:
+                on_step(step, metrics)
+        dist.barrier()
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,149 @@
+"""Building a Megatron-Core GPTModel from a composed experiment.
+
+`transformer_config_kwargs` is the one mapping from gridwright's config to Megatron-Core's
+TransformerConfig, FP8 included; it is pure data so tests check it without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config_kwargs(cfg, layout) -> dict:
+    """Keyword arguments for megatron.core.transformer.TransformerConfig."""
+    m, p, t = cfg.model, cfg.precision, cfg.train
+    on_cpu = cfg.cluster.device == "cpu"
+    dtype = DTYPES[p.params_dtype]
+    kw = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        activation_func=F.silu,
+        gated_linear_unit=True,  # SwiGLU
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=p.params_dtype == "bf16",
+        fp16=p.params_dtype == "fp16",
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sp,
+        # Fusions below need Apex or TE kernels; the torch paths are used instead.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Same initial weights for every TP layout of one seed (initialised whole on the CPU,
+        # then split), which is what makes TP=1 and TP=2 runs comparable.
+        use_cpu_initialization=on_cpu,
+        # p2p_communication.py:398 synchronises CUDA when both are true.
+        batch_p2p_comm=not on_cpu,
+    )
+    if m.num_experts:
+        kw.update(
+            num_moe_experts=m.num_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.ffn_hidden_size,
+            moe_token_dispatcher_type=cfg.parallel.moe_token_dispatcher,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-2,
+            moe_grouped_gemm=False,
+        )
+    if t.recompute == "selective":
+        kw.update(recompute_granularity="selective")
+    elif t.recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if p.fp8_recipe is not None:
+        kw.update(
+            fp8=p.fp8_format,
+            fp8_recipe=p.fp8_recipe,
+            fp8_amax_history_len=p.fp8_amax_history_len,
+            fp8_amax_compute_algo=p.fp8_amax_compute_algo,
+            fp8_param=p.fp8_param,
+        )
+    return kw
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient).
+
+    Megatron-Core's own fallback materialises the S x S score matrix; on one H200 it gave
+    18.7 % MFU where SDPA gave 30.3 % (shared/notes). Receives [s, b, heads, dim] tensors
+    (key/value with the GQA group count) and returns [s, b, heads * dim].
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def layer_spec(cfg, te_available: bool):
+    """Transformer Engine's spec when TE imports; else the local spec with SDPA attention."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    num_experts = cfg.model.num_experts or None
+    if te_available:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_model_chunks(cfg, tcfg, te_available: bool) -> list:
+    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    spec = layer_spec(cfg, te_available)
+    vpp = cfg.parallel.vpp or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if cfg.parallel.vpp else None
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.model.vocab_size,
+            max_sequence_length=cfg.model.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.model.rotary_base),
+            vp_stage=stage,
+        )
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,127 @@
+"""The parallel layout: the single owner of every parallel degree.
+
+Everything else (validation, placement, the engines, the memory estimate) asks this
+object for degrees rather than re-deriving them from the config, so that the
+arithmetic of Megatron-Core's `initialize_model_parallel` lives in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int
+    gpus_per_node: int
+    nvlink_domain_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: Optional[int] = None
+    sp: bool = False
+    order: str = "tp-cp-ep-dp-pp"
+
+    @classmethod
+    def from_config(cls, cfg) -> "ParallelLayout":
+        p, c = cfg.parallel, cfg.cluster
+        return cls(
+            world_size=int(c.nodes) * int(c.gpus_per_node),
+            gpus_per_node=int(c.gpus_per_node),
+            nvlink_domain_size=int(c.nvlink_domain_size),
+            tp=int(p.tp),
+            pp=int(p.pp),
+            cp=int(p.cp),
+            ep=int(p.ep),
+            etp=int(p.tp if p.etp is None else p.etp),
+            vpp=None if p.vpp is None else int(p.vpp),
+            sp=bool(p.sp),
+            order=str(p.order),
+        )
+
+    # Derived degrees -------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree of the dense (attention) part: world / (TP·PP·CP)."""
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        return self.etp * self.ep * self.pp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel degree of the experts: world / (expert-TP·EP·PP)."""
+        return self.world_size // self.expert_model_parallel_size
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.gpus_per_node
+
+    def describe(self) -> str:
+        s = f"TP={self.tp} PP={self.pp}"
+        if self.vpp:
+            s += f" (VPP={self.vpp})"
+        s += f" CP={self.cp} DP={self.dp}"
+        if self.ep > 1 or self.etp != self.tp:
+            s += f" EP={self.ep} ETP={self.etp} EDP={self.expert_dp}"
+        if self.sp:
+            s += " SP"
+        return s
+
+    # Rules of Megatron-Core's rank grid -----------------------------------
+    def problems(self) -> list[str]:
+        """Every way this layout cannot be built, each with the numbers and a fix."""
+        out = []
+        for name in ("tp", "pp", "cp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                out.append(f"parallel.{name}={getattr(self, name)} must be at least 1.")
+        if out:
+            return out
+        tokens = self.order.split("-")
+        if sorted(tokens) != sorted(ORDER_TOKENS):
+            out.append(
+                f"parallel.order='{self.order}' must name each of {'-'.join(ORDER_TOKENS)} once."
+            )
+        if self.world_size % self.model_parallel_size:
+            out.append(
+                f"world size {self.world_size} (cluster.nodes x cluster.gpus_per_node) is not "
+                f"divisible by TP*PP*CP = {self.tp}*{self.pp}*{self.cp} = "
+                f"{self.model_parallel_size}, so DP = world/(TP*PP*CP) is not a whole number. "
+                f"Fix: choose degrees whose product divides {self.world_size}."
+            )
+        if self.world_size % self.expert_model_parallel_size:
+            out.append(
+                f"the expert grid expert-TP*EP*PP = {self.etp}*{self.ep}*{self.pp} = "
+                f"{self.expert_model_parallel_size} does not divide world size "
+                f"{self.world_size} (Megatron-Core requires it). Fix: lower parallel.ep "
+                f"or parallel.etp."
+            )
+        if self.sp and self.tp == 1:
+            out.append(
+                "parallel.sp=true needs tensor parallelism, but parallel.tp=1. "
+                "Fix: set parallel.tp>1 or parallel.sp=false."
+            )
+        if self.vpp is not None:
+            if self.pp == 1:
+                out.append(
+                    f"parallel.vpp={self.vpp} (interleaved pipeline) needs parallel.pp>1. "
+                    "Fix: set parallel.pp>1 or parallel.vpp=null."
+                )
+            if self.vpp < 1:
+                out.append(f"parallel.vpp={self.vpp} must be null or at least 1.")
+        if not self.order.endswith("pp") and self.pp > 1 and self.dp != self.expert_dp:
+            out.append(
+                f"parallel.order='{self.order}' does not end in pp, so Megatron-Core needs "
+                f"the dense DP ({self.dp}) and expert DP ({self.expert_dp}) to match. "
+                "Fix: use an order ending in -pp."
+            )
+        return out

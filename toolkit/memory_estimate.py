@@ -1,0 +1,115 @@
+"""Per-GPU memory estimate, checked against the GPU's memory before a job starts.
+
+A planning number, not a measurement. Its terms, per rank of the worst pipeline stage:
+
+* states: bytes per parameter for weights, gradients and Adam states under mixed
+  precision (ZeRO paper accounting: 16-bit weights 2, gradients 2, fp32 master + m + v
+  12; fp32 training: 4 + 4 + 8), divided over DP as the ZeRO stage says. Expert
+  parameters are divided over EP x expert-TP and their states over expert-DP.
+* activations: Korthikanti et al. 2022 (34 s b h bytes per layer with SP, 10 + 24/t
+  without), with fused attention (no s^2 term, so selective recompute saves nothing
+  extra); MoE adds the MLP term once per extra routed expert; full recompute keeps
+  only each layer's input (2 s b h). The first stage holds up to PP micro-batches
+  in flight under 1F1B.
+* logits: fp32 logits and their gradient on the last stage.
+* a fixed workspace for the CUDA context, communicator buffers and fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import ParallelLayout
+from .model_math import param_counts
+
+GIB = 1024**3
+WORKSPACE_GIB = 3.0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logits_gib: float
+    workspace_gib: float = WORKSPACE_GIB
+
+    @property
+    def total_gib(self) -> float:
+        return (
+            self.weights_gib + self.grads_gib + self.optimizer_gib
+            + self.activations_gib + self.logits_gib + self.workspace_gib
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.total_gib:.1f} GiB = weights {self.weights_gib:.1f} + grads {self.grads_gib:.1f}"
+            f" + optimizer {self.optimizer_gib:.1f} + activations {self.activations_gib:.1f}"
+            f" + logits {self.logits_gib:.1f} + workspace {self.workspace_gib:.1f}"
+        )
+
+
+def _state_bytes(params: float, dp: int, zero, sixteen_bit: bool) -> tuple[float, float, float]:
+    w = 2.0 if sixteen_bit else 4.0
+    g = w
+    o = 12.0 if sixteen_bit else 8.0
+    stage = zero.stage
+    if stage >= 1:
+        o /= dp
+    if stage >= 2:
+        g /= dp
+    if stage >= 3:
+        w /= dp
+    if zero.offload_optimizer:
+        o = 0.0
+    if zero.offload_params:
+        w = 0.0
+    return params * w, params * g, params * o
+
+
+def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
+    m, t = cfg.model, cfg.train
+    pc = param_counts(m)
+    tp, pp = layout.tp, layout.pp
+    layers = m.num_layers // pp
+    sixteen_bit = cfg.precision.params_dtype in ("bf16", "fp16")
+    act_bytes = 2.0 if sixteen_bit else 4.0
+
+    dense_layer = layers * pc.per_layer_dense / tp
+    expert_layer = layers * pc.expert_per_layer / (layout.ep * layout.etp)
+    first_extra = pc.embedding / tp
+    last_extra = pc.output / tp if pp > 1 else (pc.embedding + pc.output) / tp - first_extra
+
+    s = t.seq_length / layout.cp
+    b, h = t.micro_batch_size, m.hidden_size
+    sbh = s * b * h * act_bytes / 2.0  # the paper's constants assume 2-byte activations
+    if t.recompute == "full":
+        per_layer = 2 * sbh / (tp if layout.sp else 1)
+    else:
+        per_layer = 34 * sbh / tp if layout.sp else sbh * (10 + 24 / tp)
+        if m.num_experts:
+            per_layer += (m.moe_router_topk - 1) * 19 * sbh / tp
+    accumulation = max(1, t.global_batch_size // max(1, t.micro_batch_size * layout.dp))
+    in_flight = min(pp, accumulation)
+    if layout.vpp:
+        in_flight *= 1 + (pp - 1) / (pp * layout.vpp)
+    logits = 2 * s * b * m.vocab_size * 4 / tp
+
+    best = None
+    for stage_extra, stage_acts, stage_logits in (
+        (first_extra, in_flight, logits if pp == 1 else 0.0),
+        (last_extra, 1.0, logits),
+    ):
+        dense = dense_layer + stage_extra
+        wd, gd, od = _state_bytes(dense, layout.dp, cfg.zero, sixteen_bit)
+        we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sixteen_bit)
+        est = MemoryEstimate(
+            weights_gib=(wd + we) / GIB,
+            grads_gib=(gd + ge) / GIB,
+            optimizer_gib=(od + oe) / GIB,
+            activations_gib=layers * per_layer * stage_acts / GIB,
+            logits_gib=stage_logits / GIB,
+        )
+        if best is None or est.total_gib > best.total_gib:
+            best = est
+    return best

@@ -1,0 +1,154 @@
+"""Typed schema of an experiment: one dataclass per Hydra config group.
+
+Hydra merges every YAML file of `conf/` into these dataclasses, so a misspelt key or a
+value of the wrong type is an error at composition time, before anything runs. The
+dataclasses carry no logic; validation lives in `gridwright.validation`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style decoder (RMSNorm, SwiGLU, rotary, GQA), optionally MoE."""
+
+    name: str = MISSING
+    family: str = "llama"  # llama | mixtral
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING  # key/value heads (GQA); equal to heads for MHA
+    vocab_size: int = MISSING
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    tie_embeddings: bool = False
+    num_experts: int = 0  # 0 means dense
+    moe_router_topk: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. Data parallelism is derived: DP = world / (TP·PP·CP)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B)
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel; None means equal to tp
+    sp: bool = False  # sequence parallel (needs tp > 1)
+    # Megatron-Core's rank order; tp varies fastest. Kept configurable because
+    # Megatron-Core exposes it, but validated against the NVLink domain.
+    order: str = "tp-cp-ep-dp-pp"
+    allow_tp_across_nvlink: bool = False
+    allow_ep_across_nvlink: bool = False
+    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
+
+
+@dataclass
+class ZeroConfig:
+    """Optimizer-state sharding, named after DeepSpeed's ZeRO stages."""
+
+    stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    """Training precision. FP8 fields map to Megatron-Core's TransformerConfig."""
+
+    name: str = "fp32"
+    params_dtype: str = "fp32"  # fp32 | bf16 | fp16
+    fp8_recipe: Optional[str] = None  # None | delayed | tensorwise | blockwise | mxfp8
+    fp8_format: str = "hybrid"  # e4m3 | hybrid
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_param: bool = False
+
+
+@dataclass
+class GpuConfig:
+    """One accelerator kind with its published dense peaks (TFLOP/s, no sparsity)."""
+
+    name: str = "cpu"
+    memory_gib: float = 0.0  # 0 means unknown; the memory check is then skipped
+    peak_bf16_tflops: float = 0.0  # 0 means unknown; MFU is then not reported
+    peak_fp8_tflops: float = 0.0
+    fp8_recipes: list[str] = field(default_factory=list)  # FP8 recipes this kind runs
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "laptop"
+    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    nodes: int = 1
+    gpus_per_node: int = 2  # processes per node on cpu
+    nvlink_domain_size: int = 8  # GPUs that share one NVLink domain
+    inter_node_gbps: float = 0.0  # per-GPU network bandwidth, GB/s
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+
+
+@dataclass
+class EngineConfig:
+    name: str = "megatron"  # megatron | deepspeed
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"  # local | torchrun | slurm | plan
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time_limit: str = "01:00:00"
+    container_image: Optional[str] = None
+    python: str = "python"
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # MLFLOW_TRACKING_URI, when set, wins (a remote server); else a local SQLite file.
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "gridwright"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    seq_length: int = 128
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 2
+    weight_decay: float = 0.01
+    grad_clip: float = 0.0  # 0 disables clipping
+    seed: int = 1234
+    recompute: str = "none"  # none | selective | full
+    log_interval: int = 1
+    data: str = "synthetic"  # synthetic token stream with a learnable pattern
+
+
+@dataclass
+class RunConfig:
+    """The whole experiment, as composed by Hydra from `conf/`."""
+
+    experiment: str = "tiny_llama_cpu"
+    job_root: str = "jobs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

@@ -1,0 +1,287 @@
+"""Every rule a composed experiment must pass before any process starts.
+
+Each rule is a small function returning messages that name the offending values and a
+fix. `validate` runs them all and raises one `ConfigError` listing every problem, so a
+user fixes a broken layout in one round instead of one error at a time.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from .layout import ParallelLayout
+from .memory_estimate import estimate_memory
+from .placement import Placement, plan_placement
+
+ENGINES = ("megatron", "deepspeed")
+LAUNCHERS = ("local", "torchrun", "slurm", "plan")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16", "fp16")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("e4m3", "hybrid")
+RECOMPUTE = ("none", "selective", "full")
+DISPATCHERS = ("alltoall", "allgather")
+
+
+class ConfigError(ValueError):
+    """A composed experiment that cannot run; `problems` lists every reason."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(
+            "the experiment is invalid; nothing was started:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+def transformer_engine_available() -> bool:
+    """Transformer Engine needs CUDA and cuDNN; without them Megatron-Core silently drops FP8."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # an install without CUDA/cuDNN fails at import
+        return False
+    return True
+
+
+# Rules ----------------------------------------------------------------------
+def check_choices(cfg) -> list[str]:
+    out = []
+    for path, value, allowed in (
+        ("engine.name", cfg.engine.name, ENGINES),
+        ("launcher.name", cfg.launcher.name, LAUNCHERS),
+        ("cluster.device", cfg.cluster.device, DEVICES),
+        ("precision.params_dtype", cfg.precision.params_dtype, DTYPES),
+        ("precision.fp8_format", cfg.precision.fp8_format, FP8_FORMATS),
+        ("train.recompute", cfg.train.recompute, RECOMPUTE),
+        ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
+    ):
+        if value not in allowed:
+            out.append(f"{path}='{value}' is not one of {', '.join(allowed)}.")
+    if cfg.precision.fp8_recipe is not None and cfg.precision.fp8_recipe not in FP8_RECIPES:
+        out.append(
+            f"precision.fp8_recipe='{cfg.precision.fp8_recipe}' is not one of {', '.join(FP8_RECIPES)} (or null)."
+        )
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3.")
+    for path, v in (
+        ("cluster.nodes", cfg.cluster.nodes),
+        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node),
+        ("cluster.nvlink_domain_size", cfg.cluster.nvlink_domain_size),
+        ("train.steps", cfg.train.steps),
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("train.global_batch_size", cfg.train.global_batch_size),
+        ("train.seq_length", cfg.train.seq_length),
+    ):
+        if v < 1:
+            out.append(f"{path}={v} must be at least 1.")
+    return out
+
+
+def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
+    m, out = cfg.model, []
+    tp, pp = layout.tp, layout.pp
+    if m.num_attention_heads % m.num_query_groups:
+        out.append(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups={m.num_query_groups} (GQA needs whole query groups)."
+        )
+    if m.num_attention_heads % tp:
+        out.append(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}. "
+            f"Fix: choose a TP among {_divisors(m.num_attention_heads)}."
+        )
+    if m.num_query_groups % tp:
+        out.append(
+            f"model.num_query_groups={m.num_query_groups} (key/value heads) is not divisible by "
+            f"parallel.tp={tp}. Fix: choose a TP among {_divisors(m.num_query_groups)}."
+        )
+    if m.ffn_hidden_size % tp:
+        out.append(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={tp}.")
+    if m.num_layers % pp:
+        out.append(
+            f"model.num_layers={m.num_layers} is not divisible by parallel.pp={pp}. "
+            f"Fix: choose a PP among {_divisors(m.num_layers)}."
+        )
+    elif layout.vpp and (m.num_layers // pp) % layout.vpp:
+        out.append(
+            f"model.num_layers={m.num_layers} over parallel.pp={pp} gives {m.num_layers // pp} layers "
+            f"per stage, not divisible into parallel.vpp={layout.vpp} virtual stages. "
+            f"Fix: choose a VPP among {_divisors(m.num_layers // pp)}."
+        )
+    if m.num_experts:
+        if m.num_experts % layout.ep:
+            out.append(
+                f"model.num_experts={m.num_experts} is not divisible by parallel.ep={layout.ep}. "
+                f"Fix: choose an EP among {_divisors(m.num_experts)}."
+            )
+        if m.moe_router_topk > m.num_experts:
+            out.append(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}.")
+    elif layout.ep > 1 or layout.etp != layout.tp:
+        out.append(
+            f"parallel.ep={layout.ep} / parallel.etp={layout.etp} set for model '{m.name}', "
+            "which has no experts. Fix: set parallel.ep=1 and parallel.etp=null, or pick an MoE model."
+        )
+    if cfg.train.seq_length > m.max_position_embeddings:
+        out.append(
+            f"train.seq_length={cfg.train.seq_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}."
+        )
+    return out
+
+
+def check_context_parallel(cfg, layout: ParallelLayout) -> list[str]:
+    s, cp = cfg.train.seq_length, layout.cp
+    if cp > 1 and s % (2 * cp):
+        return [
+            f"train.seq_length={s} is not divisible by 2*parallel.cp={2 * cp} (context parallel "
+            "splits each sequence into 2*CP chunks for load balance). "
+            f"Fix: use a sequence length that is a multiple of {2 * cp}."
+        ]
+    return []
+
+
+def check_batch(cfg, layout: ParallelLayout) -> list[str]:
+    t = cfg.train
+    unit = t.micro_batch_size * layout.dp
+    if t.global_batch_size % unit:
+        return [
+            f"train.global_batch_size={t.global_batch_size} is not micro-batch x accumulation x DP: "
+            f"micro_batch_size={t.micro_batch_size} x DP={layout.dp} = {unit} does not divide it. "
+            f"Fix: use a global batch that is a multiple of {unit}."
+        ]
+    return []
+
+
+def check_precision(cfg, for_launch: bool) -> list[str]:
+    p, gpu, out = cfg.precision, cfg.cluster.gpu, []
+    if p.fp8_recipe is None:
+        if p.fp8_param:
+            out.append("precision.fp8_param=true needs an FP8 recipe (precision.fp8_recipe).")
+        return out
+    if cfg.engine.name != "megatron":
+        out.append(f"FP8 (precision.fp8_recipe={p.fp8_recipe}) is only wired for engine=megatron.")
+    if p.params_dtype == "fp32":
+        out.append("FP8 training keeps bf16 weights: set precision.params_dtype=bf16.")
+    if cfg.cluster.device != "cuda":
+        out.append(
+            f"FP8 (precision.fp8_recipe={p.fp8_recipe}) needs CUDA GPUs; cluster '{cfg.cluster.name}' "
+            "runs on cpu. Fix: precision=bf16, or a GPU cluster."
+        )
+    elif p.fp8_recipe not in gpu.fp8_recipes:
+        supported = ", ".join(gpu.fp8_recipes) or "none"
+        out.append(
+            f"GPU kind {gpu.name} does not support FP8 recipe '{p.fp8_recipe}' (it supports: {supported}). "
+            + ("MXFP8 needs Blackwell (B200/GB200). " if p.fp8_recipe == "mxfp8" else "")
+            + "Fix: pick a supported recipe or precision=bf16."
+        )
+    if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
+        out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
+    if for_launch and cfg.launcher.name == "local" and not transformer_engine_available():
+        out.append(
+            "FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would "
+            "silently train in bf16 while the config says FP8, so gridwright refuses. Fix: install "
+            "Transformer Engine (CUDA + cuDNN) or use precision=bf16."
+        )
+    return out
+
+
+def check_engine(cfg, layout: ParallelLayout) -> list[str]:
+    z, e, out = cfg.zero, cfg.engine.name, []
+    if z.offload_params and z.stage != 3:
+        out.append(f"zero.offload_params=true needs zero.stage=3 (got {z.stage}): only ZeRO-3 partitions parameters.")
+    if z.offload_optimizer and z.stage == 0:
+        out.append("zero.offload_optimizer=true needs zero.stage>=1: there are no partitioned optimizer states to offload.")
+    if e == "megatron":
+        if z.stage == 3:
+            out.append(
+                "zero.stage=3 on engine=megatron maps to Megatron-FSDP, which gridwright does not wire yet. "
+                "Fix: zero.stage=1 or 2 (Megatron's distributed optimizer), or engine=deepspeed."
+            )
+        if z.offload_optimizer or z.offload_params:
+            out.append(
+                "CPU offload is a DeepSpeed feature here (ZeRO-Offload); engine=megatron has no such mode in "
+                "gridwright. Fix: engine=deepspeed, or zero.offload_optimizer=false."
+            )
+    if e == "deepspeed":
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(layout, name) > 1:
+                out.append(
+                    f"engine=deepspeed runs ZeRO data parallelism only; parallel.{name}={getattr(layout, name)} "
+                    "needs engine=megatron."
+                )
+        if layout.sp:
+            out.append("engine=deepspeed has no sequence parallelism here; use engine=megatron.")
+    if cfg.cluster.device == "cpu" and cfg.parallel.moe_token_dispatcher == "alltoall" and cfg.model.num_experts:
+        out.append(
+            "parallel.moe_token_dispatcher=alltoall creates a CUDA stream in Megatron-Core 0.16.1 and cannot "
+            "run on cpu. Fix: parallel.moe_token_dispatcher=allgather."
+        )
+    return out
+
+
+def check_launcher(cfg) -> list[str]:
+    if cfg.launcher.name == "local" and cfg.cluster.nodes > 1:
+        return [
+            f"launcher=local runs on this machine only, but cluster.nodes={cfg.cluster.nodes}. "
+            "Fix: launcher=torchrun or launcher=slurm (or launcher=plan to inspect)."
+        ]
+    return []
+
+
+def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
+    out, d = [], placement.layout.nvlink_domain_size
+    for kind, allow, flag in (
+        ("tp", cfg.parallel.allow_tp_across_nvlink, "parallel.allow_tp_across_nvlink"),
+        ("etp_ep", cfg.parallel.allow_ep_across_nvlink, "parallel.allow_ep_across_nvlink"),
+    ):
+        if allow:
+            continue
+        crossing = placement.groups_crossing_domain(kind, d)
+        if crossing:
+            what = "tensor-parallel" if kind == "tp" else "expert-parallel (expert-TP x EP)"
+            out.append(
+                f"{len(crossing)} {what} group(s) span NVLink domains of {d} GPUs, e.g. ranks "
+                f"{crossing[0]}: their all-reduce / all-to-all would cross the network. "
+                f"Fix: make the group fit in {d} GPUs, or set {flag}=true."
+            )
+    return out
+
+
+def check_memory(cfg, layout: ParallelLayout) -> list[str]:
+    cap = cfg.cluster.gpu.memory_gib
+    if cfg.cluster.device != "cuda" or cap <= 0:
+        return []
+    est = estimate_memory(cfg, layout)
+    if est.total_gib > cap:
+        return [
+            f"estimated memory per GPU {est.describe()} exceeds {cfg.cluster.gpu.name}'s {cap:.1f} GiB. "
+            "Fix: train.recompute=full, a higher ZeRO stage, more TP/PP/EP, or a smaller micro-batch."
+        ]
+    return []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
+    """Check everything; return the layout and placement, or raise ConfigError."""
+    problems = check_choices(cfg)
+    layout = ParallelLayout.from_config(cfg)
+    layout_problems = layout.problems()
+    problems += layout_problems
+    if not layout_problems:
+        problems += check_model_split(cfg, layout)
+        problems += check_context_parallel(cfg, layout)
+        problems += check_batch(cfg, layout)
+        problems += check_engine(cfg, layout)
+    problems += check_precision(cfg, for_launch)
+    problems += check_launcher(cfg)
+    placement = None
+    if not problems:
+        placement = plan_placement(layout)
+        problems += check_nvlink_domains(cfg, placement)
+        problems += check_memory(cfg, layout)
+    if problems:
+        raise ConfigError(problems)
+    return layout, placement

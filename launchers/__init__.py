@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Launchers: how a validated job starts (local torchrun, multi-node torchrun, Slurm, plan-only)."""

@@ -143,6 +143,8 @@ class RunConfig:
 
     experiment: str = "tiny_llama_cpu"
     job_root: str = "jobs"
+    # Explicit job directory; it must not exist yet. None: job_root/experiment/<time>.
+    job_dir: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)

@@ -196,6 +196,7 @@ class MegatronTrainer:
             decoder_seq_length=t.seq_length,
             forward_only=False,
         )
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -206,7 +207,7 @@ class MegatronTrainer:
             loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
         return {
             "loss": float(loss.item()),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_skipped": 0.0 if updated else 1.0,
         }

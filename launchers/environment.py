@@ -1,0 +1,19 @@
+"""Environment every launcher gives its workers."""
+from __future__ import annotations
+
+# NVLink multicast (NVLS) is left off: on the shared GPU machines it can hang or corrupt
+# other tenants' collectives, and the toolkit must behave the same on every cluster.
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    # Megatron-Core orders TP/SP communication before compute on one connection.
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+}
+
+
+def worker_env(cfg) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if cfg.cluster.device == "cuda":
+        env.update(NCCL_ENV)
+    return env

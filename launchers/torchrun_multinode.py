@@ -1,0 +1,35 @@
+"""Emit one torchrun command per node (static rendezvous on node 0), to run by any means."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from gridwright.atomic_io import write_text_atomic
+
+from .environment import worker_env
+
+COMMANDS_FILE = "torchrun_commands.sh"
+
+
+def node_command(cfg, job_dir: Path, node_rank: int) -> str:
+    env = " ".join(f"{k}={v}" for k, v in sorted(worker_env(cfg).items()))
+    args = [
+        cfg.launcher.python, "-m", "torch.distributed.run",
+        f"--nnodes={cfg.cluster.nodes}",
+        f"--nproc_per_node={cfg.cluster.gpus_per_node}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={cfg.launcher.master_addr}",
+        f"--master_port={cfg.launcher.master_port}",
+        "-m", "gridwright.worker", "--job-dir", str(job_dir),
+    ]
+    return f"{env} {shlex.join(args)}"
+
+
+def emit_torchrun(cfg, job_dir: Path) -> Path:
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# {cfg.experiment}: run line N on node N ({cfg.cluster.nodes} nodes). The job directory",
+        "# must be on a file system every node sees.",
+    ]
+    lines += [f"# node {i}\n{node_command(cfg, job_dir, i)}" for i in range(cfg.cluster.nodes)]
+    return write_text_atomic(job_dir / COMMANDS_FILE, "\n".join(lines) + "\n")

@@ -1,0 +1,112 @@
+"""What `python launch.py [OVERRIDES]` does with a composed config.
+
+validate -> create the job directory (config + placement) -> print the plan -> launch.
+Nothing is created or started until validation has passed.
+"""
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from .compose import strip_hydra
+from .jobdir import JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir
+from .memory_estimate import estimate_memory
+from .model_math import param_counts
+from .validation import ConfigError, validate
+
+EXIT_INVALID = 2
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def plan_text(cfg, layout, placement, job_dir) -> str:
+    pc = param_counts(cfg.model)
+    t = cfg.train
+    accumulation = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    lines = [
+        f"experiment  {cfg.experiment}   engine {cfg.engine.name}   launcher {cfg.launcher.name}",
+        f"model       {cfg.model.name}: {_count(pc.total)} parameters, {cfg.model.num_layers} layers"
+        + (f", {cfg.model.num_experts} experts top-{cfg.model.moe_router_topk}" if cfg.model.num_experts else ""),
+        f"cluster     {cfg.cluster.name}: {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} "
+        f"{cfg.cluster.gpu.name} ({cfg.cluster.device}), NVLink domain {cfg.cluster.nvlink_domain_size}",
+        f"layout      {layout.describe()}   world {layout.world_size}   ZeRO stage {cfg.zero.stage}"
+        f"   precision {cfg.precision.name}",
+        f"batch       global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation "
+        f"{accumulation} x DP {layout.dp}; sequence {t.seq_length}",
+    ]
+    if cfg.cluster.device == "cuda":
+        lines.append(f"memory/GPU  {estimate_memory(cfg, layout).describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
+    lines.append(f"job dir     {job_dir}")
+    lines.append("placement")
+    lines.append(placement.table())
+    return "\n".join(lines)
+
+
+def run(hydra_cfg: DictConfig) -> int:
+    cfg = strip_hydra(hydra_cfg)
+    try:
+        layout, placement = validate(cfg, for_launch=True)
+        job_dir = planned_job_dir(cfg)
+        check_job_dir_free(job_dir)
+    except (ConfigError, JobDirExists) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    create_job_dir(cfg, placement, job_dir)
+    print(plan_text(cfg, layout, placement, job_dir), flush=True)
+
+    name = cfg.launcher.name
+    if name == "plan":
+        print("launcher=plan: nothing started.")
+        return 0
+    if name == "torchrun":
+        from gridwright.launchers.torchrun_multinode import emit_torchrun
+
+        path = emit_torchrun(cfg, job_dir)
+        print(f"wrote {path}: run line N on node N.")
+        print(path.read_text())
+        return 0
+    if name == "slurm":
+        from gridwright.launchers.slurm import emit_slurm
+
+        path = emit_slurm(cfg, job_dir)
+        print(f"wrote {path}; submit it with: sbatch {path}")
+        return 0
+    return run_locally(cfg, layout, job_dir)
+
+
+def run_locally(cfg, layout, job_dir) -> int:
+    from gridwright.launchers.local import run_local
+
+    env, run_id = {}, None
+    if cfg.tracking.enabled:
+        from . import tracking
+
+        run_id = tracking.open_run(cfg, job_dir, layout)
+        env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
+        print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
+    code = run_local(cfg, job_dir, env)
+    if run_id is not None:
+        tracking.close_run(cfg, run_id, ok=code == 0)
+    if code == 0:
+        print(f"done: {job_dir}")
+    else:
+        print(f"error: the job failed with exit code {code}; see {job_dir}", file=sys.stderr)
+    return code
+
+
+def main() -> None:
+    """Console entry point `gridwright`, the same as `python launch.py`."""
+    import hydra
+
+    from .compose import CONF_DIR
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+    def _main(cfg: DictConfig) -> None:
+        code = run(cfg)
+        if code:
+            sys.exit(code)
+
+    _main()

@@ -1,0 +1,122 @@
+"""One training process, started by torchrun: `python -m gridwright.worker --job-dir DIR`.
+
+Reads the job's composed config, checks that the process groups Megatron-Core builds
+are the placement that was printed, trains, and (on the one logging rank) writes
+metrics to `metrics.jsonl` and MLflow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .atomic_io import write_text_atomic
+from .jobdir import METRICS_FILE, PLACEMENT_JSON, RANKS_DIR, SUMMARY_FILE, load_job_config
+from .layout import ParallelLayout
+from .step_metrics import StepMetrics
+
+# gridwright's placement names -> Megatron-Core's group getters in observed_coordinates().
+CHECKED_GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
+
+
+def placement_mismatches(planned: dict, observed: dict) -> list[str]:
+    """Differences between a rank's planned record and what Megatron-Core built."""
+    out = []
+    rank = observed["rank"]
+    rec = planned["ranks"][rank]
+    for key in CHECKED_GROUPS:
+        if rec[key] != observed[key]:
+            out.append(f"rank {rank}: {key} coordinate planned {rec[key]}, built {observed[key]}")
+        members = planned["groups"][key][rec["group_ids"][key]]
+        if members != observed["groups"][key]:
+            out.append(f"rank {rank}: {key} group planned {members}, built {observed['groups'][key]}")
+    return out
+
+
+class Reporter:
+    """Per-step output of the logging rank: metrics.jsonl, MLflow, and the terminal."""
+
+    def __init__(self, cfg, job_dir: Path, layout: ParallelLayout):
+        self.cfg, self.job_dir = cfg, job_dir
+        self.metrics = StepMetrics(cfg, layout.world_size)
+        self.history: list[dict] = []
+        self.mlflow = None
+        if cfg.tracking.enabled:
+            from . import tracking
+
+            run_id = os.environ.get("MLFLOW_RUN_ID") or tracking.open_run(cfg, job_dir, layout)
+            self.mlflow = tracking.MetricsLogger(cfg, run_id)
+
+    def on_step(self, step: int, raw: dict) -> None:
+        m = self.metrics.derive(raw)
+        self.history.append({"step": step, **m})
+        with open(self.job_dir / METRICS_FILE, "a") as f:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+        if self.mlflow is not None:
+            self.mlflow.log(step, m)
+        if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
+            mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
+            print(
+                f"step {step:>5} loss {m['loss']:.4f} lr {m['lr']:.2e} {m['step_time_s'] * 1e3:.0f} ms "
+                f"{m['tokens_per_s_per_gpu']:.0f} tok/s/gpu{mfu}",
+                flush=True,
+            )
+
+    def finish(self, extra: dict) -> None:
+        steady = self.history[1:] or self.history  # the first step includes warm-up
+        summary = {
+            "steps": len(self.history),
+            "first_loss": self.history[0]["loss"],
+            "last_loss": self.history[-1]["loss"],
+            "mean_step_time_s": sum(h["step_time_s"] for h in steady) / len(steady),
+            "tokens_per_s_per_gpu": sum(h["tokens_per_s_per_gpu"] for h in steady) / len(steady),
+            **extra,
+        }
+        if "mfu" in self.history[-1]:
+            summary["mfu"] = sum(h["mfu"] for h in steady) / len(steady)
+        write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
+        if self.mlflow is not None:
+            self.mlflow.log_artifact(self.job_dir / SUMMARY_FILE)
+            self.mlflow.log_artifact(self.job_dir / METRICS_FILE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--job-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    job_dir = args.job_dir.resolve()
+    cfg = load_job_config(job_dir)
+    layout = ParallelLayout.from_config(cfg)
+    planned = json.loads((job_dir / PLACEMENT_JSON).read_text())
+    state = {}
+
+    def on_start(trainer):
+        from .engines.megatron_engine import observed_coordinates
+
+        observed = observed_coordinates()
+        write_text_atomic(job_dir / RANKS_DIR / f"rank_{observed['rank']:05d}.json", json.dumps(observed))
+        problems = placement_mismatches(planned, observed)
+        if problems:
+            raise RuntimeError("the placement that ran differs from the plan:\n" + "\n".join(problems))
+        state["params_on_rank"] = trainer.parameter_count()
+        state["spec"] = trainer.spec_name
+        if trainer.is_logging_rank:
+            state["reporter"] = Reporter(cfg, job_dir, layout)
+
+    def on_step(step, raw):
+        state["reporter"].on_step(step, raw)
+
+    if cfg.engine.name == "megatron":
+        from .engines.megatron_engine import run_training
+    else:
+        from .engines.deepspeed_engine import run_training
+    run_training(cfg, layout, on_step, on_start)
+    if "reporter" in state:
+        state["reporter"].finish({"layer_spec": state["spec"], "placement_verified": True})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -94,11 +94,13 @@ class ParallelLayout:
         if self.world_size % self.model_parallel_size:
             out.append(
                 f"world size {self.world_size} (cluster.nodes x cluster.gpus_per_node) is not "
-                f"divisible by TP*PP*CP = {self.tp}*{self.pp}*{self.cp} = "
-                f"{self.model_parallel_size}, so DP = world/(TP*PP*CP) is not a whole number. "
+                f"divisible by TP*PP*CP = {self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size} "
+                f"(parallel.tp={self.tp}, parallel.pp={self.pp}, parallel.cp={self.cp}), so "
+                "DP = world/(TP*PP*CP) is not a whole number. "
                 f"Fix: choose degrees whose product divides {self.world_size}."
             )
-        if self.world_size % self.expert_model_parallel_size:
+        expert_grid_is_dense_grid = self.ep == 1 and self.etp == self.tp
+        if self.world_size % self.expert_model_parallel_size and not expert_grid_is_dense_grid:
             out.append(
                 f"the expert grid expert-TP*EP*PP = {self.etp}*{self.ep}*{self.pp} = "
                 f"{self.expert_model_parallel_size} does not divide world size "

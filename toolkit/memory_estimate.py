@@ -78,28 +78,30 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     dense_layer = layers * pc.per_layer_dense / tp
     expert_layer = layers * pc.expert_per_layer / (layout.ep * layout.etp)
     first_extra = pc.embedding / tp
-    last_extra = pc.output / tp if pp > 1 else (pc.embedding + pc.output) / tp - first_extra
+    last_extra = pc.output / tp
 
     s = t.seq_length / layout.cp
     b, h = t.micro_batch_size, m.hidden_size
     sbh = s * b * h * act_bytes / 2.0  # the paper's constants assume 2-byte activations
-    if t.recompute == "full":
-        per_layer = 2 * sbh / (tp if layout.sp else 1)
-    else:
-        per_layer = 34 * sbh / tp if layout.sp else sbh * (10 + 24 / tp)
-        if m.num_experts:
-            per_layer += (m.moe_router_topk - 1) * 19 * sbh / tp
+    full_layer = 34 * sbh / tp if layout.sp else sbh * (10 + 24 / tp)
+    if m.num_experts:
+        full_layer += (m.moe_router_topk - 1) * 19 * sbh / tp
+    # Full recompute keeps each layer's input, plus one layer's activations while it is
+    # recomputed for backward.
+    per_layer = 2 * sbh / (tp if layout.sp else 1) if t.recompute == "full" else full_layer
+    recompute_live = full_layer if t.recompute == "full" else 0.0
     accumulation = max(1, t.global_batch_size // max(1, t.micro_batch_size * layout.dp))
     in_flight = min(pp, accumulation)
     if layout.vpp:
         in_flight *= 1 + (pp - 1) / (pp * layout.vpp)
     logits = 2 * s * b * m.vocab_size * 4 / tp
 
+    if pp == 1:
+        stages = [(first_extra + last_extra, in_flight, logits)]
+    else:
+        stages = [(first_extra, in_flight, 0.0), (last_extra, 1.0, logits)]
     best = None
-    for stage_extra, stage_acts, stage_logits in (
-        (first_extra, in_flight, logits if pp == 1 else 0.0),
-        (last_extra, 1.0, logits),
-    ):
+    for stage_extra, stage_acts, stage_logits in stages:
         dense = dense_layer + stage_extra
         wd, gd, od = _state_bytes(dense, layout.dp, cfg.zero, sixteen_bit)
         we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sixteen_bit)
@@ -107,7 +109,7 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
             weights_gib=(wd + we) / GIB,
             grads_gib=(gd + ge) / GIB,
             optimizer_gib=(od + oe) / GIB,
-            activations_gib=layers * per_layer * stage_acts / GIB,
+            activations_gib=(layers * per_layer * stage_acts + recompute_live) / GIB,
             logits_gib=stage_logits / GIB,
         )
         if best is None or est.total_gib > best.total_gib:

@@ -234,7 +234,7 @@ def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
         ("tp", cfg.parallel.allow_tp_across_nvlink, "parallel.allow_tp_across_nvlink"),
         ("etp_ep", cfg.parallel.allow_ep_across_nvlink, "parallel.allow_ep_across_nvlink"),
     ):
-        if allow:
+        if allow or (kind == "etp_ep" and not cfg.model.num_experts):
             continue
         crossing = placement.groups_crossing_domain(kind, d)
         if crossing:

@@ -1,0 +1,100 @@
+"""Hydra composition: groups, presets and the typed schema."""
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+EXPERIMENTS = [
+    "tiny_llama_cpu", "tiny_llama_tp2", "tiny_llama_pp2", "tiny_mixtral_cpu",
+    "mixtral_ep8", "llama3_8b", "llama3_70b", "bench_gpu",
+]
+
+
+def test_default_is_tiny_llama_on_two_cpu_processes(compose):
+    cfg = compose()
+    assert cfg.model.name == "tiny_llama"
+    assert cfg.cluster.device == "cpu" and cfg.cluster.gpus_per_node == 2
+    assert cfg.engine.name == "megatron" and cfg.launcher.name == "local"
+    assert cfg.tracking.uri.startswith("sqlite:///")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_preset_composes_and_validates(compose, name):
+    from gridwright.validation import validate
+
+    cfg = compose(f"+experiment={name}")
+    assert cfg.experiment == name
+    layout, placement = validate(cfg, for_launch=False)
+    assert placement.world_size == cfg.cluster.nodes * cfg.cluster.gpus_per_node
+
+
+def test_published_shapes(compose):
+    cfg = compose("+experiment=mixtral_ep8")
+    assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_experts) == (4096, 14336, 8)
+    assert cfg.parallel.ep == 8
+    cfg = compose("model=llama3_70b")
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_query_groups) == (80, 8192, 8)
+
+
+def test_misspelt_key_is_an_error(compose):
+    with pytest.raises(ConfigCompositionException, match="tpp"):
+        compose("parallel.tpp=2")
+
+
+def test_wrong_type_is_an_error(compose):
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        compose("parallel.tp=two")
+
+
+def test_unknown_group_option_is_an_error(compose):
+    with pytest.raises(ConfigCompositionException, match="precision"):
+        compose("precision=fp7")
+
+
+def test_misspelt_key_in_a_group_file_is_an_error(tmp_path, monkeypatch):
+    """A typo inside a YAML file (not only on the command line) is caught by the schema."""
+    import shutil
+
+    from gridwright import compose as compose_mod
+
+    conf = tmp_path / "conf"
+    shutil.copytree(compose_mod.CONF_DIR, conf)
+    (conf / "model" / "typo.yaml").write_text("name: typo\nnum_layers: 2\nhiden_size: 64\n")
+    monkeypatch.setattr(compose_mod, "CONF_DIR", conf)
+    with pytest.raises(ConfigCompositionException):
+        compose_mod.compose_config(["model=typo"])
+
+
+def test_fp8_recipes_map_to_transformer_config(compose):
+    """TE cannot run here; the FP8 path is checked through the TransformerConfig it produces."""
+    from megatron.core.transformer import TransformerConfig
+
+    from gridwright.engines.megatron_model import transformer_config_kwargs
+    from gridwright.layout import ParallelLayout
+
+    for preset, recipe, fmt in (
+        ("fp8_delayed", "delayed", "hybrid"),
+        ("fp8_tensorwise", "tensorwise", "hybrid"),
+        ("fp8_blockwise", "blockwise", "e4m3"),
+        ("mxfp8", "mxfp8", "e4m3"),
+    ):
+        cfg = compose("+experiment=bench_gpu", f"precision={preset}")
+        kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))
+        tc = TransformerConfig(**kw)
+        assert (tc.fp8, tc.fp8_recipe, tc.bf16) == (fmt, recipe, True)
+    cfg = compose("+experiment=bench_gpu", "precision=fp8_delayed")
+    tc = TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg)))
+    assert tc.fp8_amax_history_len == 1024 and tc.fp8_amax_compute_algo == "max"
+    cfg = compose("+experiment=bench_gpu")
+    assert TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))).fp8 is None
+
+
+def test_recompute_and_moe_map_to_transformer_config(compose):
+    from megatron.core.transformer import TransformerConfig
+
+    from gridwright.engines.megatron_model import transformer_config_kwargs
+    from gridwright.layout import ParallelLayout
+
+    cfg = compose("+experiment=mixtral_ep8")
+    tc = TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg)))
+    assert tc.num_moe_experts == 8 and tc.moe_router_topk == 2 and tc.expert_model_parallel_size == 8
+    assert tc.recompute_granularity == "full" and tc.recompute_method == "uniform"

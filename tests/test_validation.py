@@ -1,0 +1,108 @@
+"""Every validation rule: a broken experiment fails with a message naming values and a fix."""
+import pytest
+
+from gridwright.validation import ConfigError, validate
+
+GPU8 = ["cluster=dgx_h100", "precision=bf16", "zero=stage1", "train.seq_length=4096",
+        "train.micro_batch_size=1", "train.global_batch_size=64"]
+
+BROKEN = {
+    # name: (overrides, substrings the message must contain)
+    "world_not_divisible": (GPU8 + ["model=llama3_8b", "parallel.tp=4", "parallel.pp=3", "model.num_layers=24"],
+                            ["world size 8", "TP*PP*CP = 4*3*1 = 12"]),
+    "expert_grid": (["model=tiny_mixtral", "parallel.ep=4", "parallel.moe_token_dispatcher=allgather"],
+                    ["expert-TP*EP*PP = 1*4*1 = 4", "world size 2"]),
+    "heads_vs_tp": (GPU8 + ["model=llama3_8b", "parallel.tp=8", "model.num_attention_heads=36",
+                            "model.num_query_groups=4", "model.hidden_size=4608"],
+                    ["num_attention_heads=36 is not divisible by parallel.tp=8"]),
+    "query_groups_vs_tp": (GPU8 + ["model=llama3_8b", "parallel.tp=8", "model.num_query_groups=4"],
+                           ["num_query_groups=4", "parallel.tp=8", "Fix: choose a TP among [1, 2, 4]"]),
+    "experts_vs_ep": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "parallel.ep=8", "model.num_experts=12"],
+                      ["num_experts=12 is not divisible by parallel.ep=8"]),
+    "ep_without_experts": (["parallel.ep=2"], ["parallel.ep=2", "no experts"]),
+    "layers_vs_pp": (["parallel.pp=2", "model.num_layers=3"], ["num_layers=3 is not divisible by parallel.pp=2"]),
+    "layers_vs_vpp": (["parallel.pp=2", "parallel.vpp=3"], ["2 layers per stage", "parallel.vpp=3"]),
+    "vpp_without_pp": (["parallel.vpp=2"], ["parallel.vpp=2", "needs parallel.pp>1"]),
+    "sp_without_tp": (["parallel.sp=true"], ["parallel.sp=true needs tensor parallelism"]),
+    "cp_sequence": (GPU8 + ["model=llama3_8b", "parallel.cp=2", "train.seq_length=4094"],
+                    ["train.seq_length=4094 is not divisible by 2*parallel.cp=4"]),
+    "global_batch": (["train.global_batch_size=7"], ["global_batch_size=7", "micro_batch_size=2 x DP=2 = 4"]),
+    "fp8_on_cpu": (["precision=fp8_delayed"], ["needs CUDA GPUs"]),
+    "mxfp8_on_hopper": (GPU8 + ["model=llama3_8b", "precision=mxfp8", "launcher=plan"],
+                        ["does not support FP8 recipe 'mxfp8'", "Blackwell"]),
+    "fp8_without_te_locally": (GPU8 + ["model=bench_1b", "cluster=h100_x1", "precision=fp8_delayed",
+                                       "train.global_batch_size=8"],
+                               ["Transformer Engine", "silently train in bf16"]),
+    "offload_params_needs_stage3": (["engine=deepspeed", "zero=stage2", "zero.offload_params=true"],
+                                    ["offload_params=true needs zero.stage=3"]),
+    "offload_optimizer_needs_sharding": (["engine=deepspeed", "zero.offload_optimizer=true"],
+                                         ["offload_optimizer=true needs zero.stage>=1"]),
+    "megatron_stage3": (["zero=stage3"], ["zero.stage=3 on engine=megatron", "Megatron-FSDP"]),
+    "megatron_offload": (["zero=stage2_offload"], ["CPU offload is a DeepSpeed feature"]),
+    "deepspeed_with_tp": (["engine=deepspeed", "parallel.tp=2"], ["engine=deepspeed", "parallel.tp=2"]),
+    "tp_across_nodes": (GPU8 + ["model=llama3_70b", "cluster.nodes=2", "parallel.tp=16", "model.num_query_groups=16",
+                                "launcher=plan"],
+                        ["tensor-parallel group(s) span NVLink domains of 8 GPUs", "allow_tp_across_nvlink"]),
+    "ep_across_nodes": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "cluster.nodes=2", "parallel.ep=16",
+                                "model.num_experts=16", "launcher=plan"],
+                        ["expert-parallel", "span NVLink domains", "allow_ep_across_nvlink"]),
+    "memory": (GPU8 + ["model=llama3_70b", "launcher=plan"], ["estimated memory per GPU", "exceeds H100-SXM's 79.6 GiB"]),
+    "local_multinode": (GPU8 + ["model=llama3_8b", "cluster.nodes=2", "parallel.tp=8"], ["launcher=local runs on this machine only"]),
+    "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["moe_token_dispatcher=alltoall", "allgather"]),
+    "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
+    "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_layout_fails_with_clear_message(compose, name):
+    overrides, expected = BROKEN[name]
+    cfg = compose(*overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, for_launch=True)
+    message = str(err.value)
+    for text in expected:
+        assert text in message, f"{text!r} not in:\n{message}"
+
+
+def test_all_problems_reported_at_once(compose):
+    cfg = compose("parallel.sp=true", "train.global_batch_size=7", "precision=fp8_delayed")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert len(err.value.problems) == 3
+
+
+def test_tp_across_nodes_allowed_when_asked(compose):
+    cfg = compose(*GPU8, "model=llama3_70b", "cluster.nodes=4", "parallel.tp=16", "model.num_query_groups=16",
+                  "parallel.allow_tp_across_nvlink=true", "launcher=plan", "train.recompute=full",
+                  "parallel.pp=2", "train.global_batch_size=64")
+    layout, _ = validate(cfg)
+    assert layout.tp == 16 and layout.dp == 1
+
+
+def test_nvl72_domain_spans_nodes(compose):
+    """On GB200 NVL72 a TP=8 group spans two 4-GPU trays but stays in the 72-GPU NVLink domain."""
+    cfg = compose(*GPU8, "cluster=gb200_nvl72", "model=llama3_70b", "parallel.tp=8", "parallel.pp=9",
+                  "model.num_layers=81", "launcher=plan", "train.global_batch_size=64")
+    layout, placement = validate(cfg)
+    assert placement.members("tp", 0) == list(range(8))
+    assert set(placement.host[placement.members("tp", 0)]) == {0, 1}
+
+
+def test_cli_rejects_before_anything_starts(run_launch, tmp_path):
+    result = run_launch("parallel.tp=3")
+    assert result.returncode == 2
+    assert "nothing was started" in result.stderr and "parallel.tp=3" in result.stderr
+    assert not (tmp_path / "jobs").exists()
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_existing_job_dir_is_refused_and_kept(run_launch, tmp_path):
+    job = tmp_path / "taken"
+    job.mkdir()
+    (job / "keep.txt").write_text("earlier results")
+    result = run_launch(f"job_dir={job}", "launcher=plan")
+    assert result.returncode == 2
+    assert "already exists" in result.stderr
+    assert (job / "keep.txt").read_text() == "earlier results"
+    assert sorted(p.name for p in job.iterdir()) == ["keep.txt"]

@@ -1,0 +1,54 @@
+"""Plan-only, multi-node torchrun and Slurm launchers: what they print and write."""
+import json
+import subprocess
+
+from conftest import only_job_dir
+
+
+def test_plan_prints_mixtral_ep8_placement_and_runs_nothing(run_launch, tmp_path):
+    result = run_launch("+experiment=mixtral_ep8", "launcher=plan")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "TP=1 PP=1 CP=1 DP=8 EP=8 ETP=1 EDP=1" in out and "nothing started" in out
+    table = out.split("placement\n", 1)[1].splitlines()
+    assert len([line for line in table if line.strip() and line.split()[0].isdigit()]) == 8
+    job = only_job_dir(tmp_path)
+    assert sorted(p.name for p in job.iterdir()) == ["config.yaml", "placement.csv", "placement.json"]
+    doc = json.loads((job / "placement.json").read_text())
+    assert [r["ep"] for r in doc["ranks"]] == list(range(8))
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_multinode_torchrun_emits_one_command_per_node(run_launch, tmp_path):
+    result = run_launch("+experiment=llama3_70b", "launcher=torchrun", "launcher.master_addr=10.0.0.1")
+    assert result.returncode == 0, result.stderr
+    job = only_job_dir(tmp_path)
+    lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if "torch.distributed.run" in l]
+    assert len(lines) == 8
+    for node, line in enumerate(lines):
+        assert f"--node_rank={node}" in line and "--nnodes=8" in line and "--nproc_per_node=8" in line
+        assert "--master_addr=10.0.0.1" in line and "NCCL_NVLS_ENABLE=0" in line
+        assert f"--job-dir {job}" in line
+    assert subprocess.run(["bash", "-n", str(job / "torchrun_commands.sh")]).returncode == 0
+
+
+def test_slurm_script(run_launch, tmp_path):
+    result = run_launch("+experiment=llama3_8b", "launcher.partition=gpu", "launcher.account=ml")
+    assert result.returncode == 0, result.stderr
+    job = only_job_dir(tmp_path)
+    script = (job / "job.sbatch").read_text()
+    for text in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=ml", "export NCCL_NVLS_ENABLE=0", "export TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
+                 "export NVSHMEM_DISABLE_NVLS=1", "--node_rank=$SLURM_NODEID", f"placement.json",
+                 f"-m gridwright.worker --job-dir {job}", "scontrol show hostnames"):
+        assert text in script, text
+    assert subprocess.run(["bash", "-n", str(job / "job.sbatch")]).returncode == 0
+    assert f"sbatch {job}/job.sbatch" in result.stdout
+
+
+def test_large_plan_table_is_compact(run_launch, tmp_path):
+    result = run_launch("+experiment=llama3_70b", "launcher=plan", "cluster.nodes=64")
+    assert result.returncode == 0, result.stderr
+    assert "ranks not shown; see placement.csv" in result.stdout
+    job = only_job_dir(tmp_path)
+    assert len((job / "placement.csv").read_text().splitlines()) == 512 + 1

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Benchmarks and measurements: each module is a script that prints a table."""

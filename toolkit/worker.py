@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     state = {}
 
     def on_start(trainer):
-        from .engines.megatron_engine import observed_coordinates
-
-        observed = observed_coordinates()
+        observed = trainer.observed_coordinates()
         write_text_atomic(job_dir / RANKS_DIR / f"rank_{observed['rank']:05d}.json", json.dumps(observed))
         problems = placement_mismatches(planned, observed)
         if problems:

@@ -164,6 +164,9 @@ class MegatronTrainer:
             and ps.get_context_parallel_rank() == 0
         )
 
+    def observed_coordinates(self) -> dict:
+        return observed_coordinates()
+
     def parameter_count(self) -> int:
         """Parameters held by this rank (sharded counts, not the model total)."""
         return sum(p.numel() for m in self.model for p in m.parameters())

@@ -1,0 +1,157 @@
+"""The DeepSpeed engine: a Hugging Face Llama/Mixtral trained with ZeRO data parallelism.
+
+DeepSpeed here means ZeRO stages 0-3 and CPU offload over plain data parallelism; model
+parallelism is Megatron-Core's job (validation refuses TP/PP/CP/EP on this engine). The
+data stream, loss definition and metrics are the Megatron engine's, so runs compare.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import synthetic_data
+from ..layout import ParallelLayout
+
+
+def hf_config(model):
+    """The transformers config of the same shape as gridwright's ModelConfig."""
+    import transformers
+
+    common = dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        max_position_embeddings=model.max_position_embeddings,
+        rms_norm_eps=model.norm_epsilon,
+        tie_word_embeddings=model.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)},
+    )
+    if model.num_experts:
+        return transformers.MixtralConfig(
+            num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk, **common
+        )
+    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def deepspeed_config(cfg, layout: ParallelLayout) -> dict:
+    """DeepSpeed's JSON config for this experiment."""
+    t, z, p = cfg.train, cfg.zero, cfg.precision
+    zero = {"stage": z.stage, "overlap_comm": cfg.cluster.device == "cuda"}
+    if z.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.cluster.device == "cuda"}
+    if z.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cfg.cluster.device == "cuda"}
+    out = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * layout.dp),
+        "train_batch_size": t.global_batch_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": p.params_dtype == "bf16"},
+        "fp16": {"enabled": p.params_dtype == "fp16", "initial_scale_power": 16},
+        "gradient_clipping": t.grad_clip,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if z.offload_optimizer:
+        # ZeRO-Offload refuses a client (torch) optimizer; DeepSpeed's own CPU Adam is used.
+        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": [0.9, 0.95],
+                                                         "weight_decay": t.weight_decay}}
+    return out
+
+
+def _lr_at(cfg, step: int) -> float:
+    """Linear warm-up then cosine decay to min_lr, matching the Megatron engine's scheduler."""
+    import math
+
+    t = cfg.train
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.min_lr + (t.lr - t.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class DeepSpeedTrainer:
+    spec_name = "huggingface"
+
+    def __init__(self, cfg, layout: ParallelLayout):
+        import deepspeed
+        import transformers
+
+        self.cfg, self.layout = cfg, layout
+        on_cpu = cfg.cluster.device == "cpu"
+        self.device = torch.device("cpu") if on_cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if not on_cpu:
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+        torch.manual_seed(cfg.train.seed)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
+        ds_cfg = deepspeed_config(cfg, layout)
+        optimizer = None
+        if "optimizer" not in ds_cfg:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
+                                          weight_decay=cfg.train.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_cfg, model_parameters=model.parameters()
+        )
+        self.num_micro = ds_cfg["gradient_accumulation_steps"]
+        self.is_logging_rank = dist.get_rank() == 0
+
+    def parameter_count(self) -> int:
+        return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
+
+    def observed_coordinates(self) -> dict:
+        """Pure data parallelism: every other dimension is trivially this rank alone."""
+        r, world = dist.get_rank(), dist.get_world_size()
+        everyone = list(range(world))
+        groups = {k: [r] for k in ("tp", "pp", "cp", "ep", "etp")}
+        groups.update(dp=everyone, edp=everyone)
+        return {"rank": r, "tp": 0, "pp": 0, "dp": r, "cp": 0, "ep": 0, "etp": 0, "edp": r, "groups": groups}
+
+    def train_step(self, step: int) -> dict:
+        t = self.cfg.train
+        lr = _lr_at(self.cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros(1, device=self.device)
+        for batch in synthetic_data.micro_batches(
+            step, dist.get_rank(), self.layout.dp, self.num_micro, t.micro_batch_size,
+            t.seq_length, self.cfg.model.vocab_size, t.seed, self.device,
+        ):
+            logits = self.engine(input_ids=batch["tokens"]).logits
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
+            self.engine.backward(loss)
+            self.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+            total += loss.detach()
+        total /= self.num_micro
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"loss": float(total.item()), "lr": lr,
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "update_skipped": 0.0}
+
+
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
+    trainer = DeepSpeedTrainer(cfg, layout)
+    if on_start is not None:
+        on_start(trainer)
+    on_cuda = cfg.cluster.device == "cuda"
+    for step in range(cfg.train.steps):
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = trainer.train_step(step)
+        if on_cuda:
+            torch.cuda.synchronize()
+        metrics["step_time_s"] = time.perf_counter() - start
+        if trainer.is_logging_rank:
+            on_step(step, metrics)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -19,7 +19,7 @@ def sbatch_script(cfg, job_dir: Path) -> str:
     c, lcfg = cfg.cluster, cfg.launcher
     head = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={cfg.experiment}",
+        f"#SBATCH --job-name={cfg.name}",
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={c.gpus_per_node}",

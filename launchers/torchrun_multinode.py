@@ -28,7 +28,7 @@ def node_command(cfg, job_dir: Path, node_rank: int) -> str:
 def emit_torchrun(cfg, job_dir: Path) -> Path:
     lines = [
         "#!/usr/bin/env bash",
-        f"# {cfg.experiment}: run line N on node N ({cfg.cluster.nodes} nodes). The job directory",
+        f"# {cfg.name}: run line N on node N ({cfg.cluster.nodes} nodes). The job directory",
         "# must be on a file system every node sees.",
     ]
     lines += [f"# node {i}\n{node_command(cfg, job_dir, i)}" for i in range(cfg.cluster.nodes)]

@@ -22,7 +22,7 @@ def test_every_preset_composes_and_validates(compose, name):
     from gridwright.validation import validate
 
     cfg = compose(f"+experiment={name}")
-    assert cfg.experiment == name
+    assert cfg.name == name
     layout, placement = validate(cfg, for_launch=False)
     assert placement.world_size == cfg.cluster.nodes * cfg.cluster.gpus_per_node
 

@@ -49,6 +49,9 @@ BROKEN = {
     "memory": (GPU8 + ["model=llama3_70b", "launcher=plan"], ["estimated memory per GPU", "exceeds H100-SXM's 79.6 GiB"]),
     "local_multinode": (GPU8 + ["model=llama3_8b", "cluster.nodes=2", "parallel.tp=8"], ["launcher=local runs on this machine only"]),
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["moe_token_dispatcher=alltoall", "allgather"]),
+    "cp_without_te": (["parallel.cp=2", "train.micro_batch_size=1", "train.global_batch_size=8"],
+                      ["parallel.cp=2 needs Transformer Engine"]),
+    "sp_without_te": (["parallel.tp=2", "parallel.sp=true"], ["parallel.sp=true needs Transformer Engine"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }

@@ -27,7 +27,7 @@ def plan_text(cfg, layout, placement, job_dir) -> str:
     t = cfg.train
     accumulation = t.global_batch_size // (t.micro_batch_size * layout.dp)
     lines = [
-        f"experiment  {cfg.experiment}   engine {cfg.engine.name}   launcher {cfg.launcher.name}",
+        f"experiment  {cfg.name}   engine {cfg.engine.name}   launcher {cfg.launcher.name}",
         f"model       {cfg.model.name}: {_count(pc.total)} parameters, {cfg.model.num_layers} layers"
         + (f", {cfg.model.num_experts} experts top-{cfg.model.moe_router_topk}" if cfg.model.num_experts else ""),
         f"cluster     {cfg.cluster.name}: {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} "

@@ -31,7 +31,7 @@ def planned_job_dir(cfg) -> Path:
     if cfg.job_dir:
         return Path(cfg.job_dir).resolve()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return (Path(cfg.job_root) / cfg.experiment / f"{stamp}-{secrets.token_hex(2)}").resolve()
+    return (Path(cfg.job_root) / cfg.name / f"{stamp}-{secrets.token_hex(2)}").resolve()
 
 
 def check_job_dir_free(path: Path) -> None:

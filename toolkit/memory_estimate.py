@@ -4,7 +4,8 @@ A planning number, not a measurement. Its terms, per rank of the worst pipeline 
 
 * states: bytes per parameter for weights, gradients and Adam states under mixed
   precision (ZeRO paper accounting: 16-bit weights 2, gradients 2, fp32 master + m + v
-  12; fp32 training: 4 + 4 + 8), divided over DP as the ZeRO stage says. Expert
+  12; fp32 training: 4 + 4 + 8; the Megatron engine keeps gradients in fp32: 4),
+  divided over DP as the ZeRO stage says. Expert
   parameters are divided over EP x expert-TP and their states over expert-DP.
 * activations: Korthikanti et al. 2022 (34 s b h bytes per layer with SP, 10 + 24/t
   without), with fused attention (no s^2 term, so selective recompute saves nothing
@@ -49,9 +50,9 @@ class MemoryEstimate:
         )
 
 
-def _state_bytes(params: float, dp: int, zero, sixteen_bit: bool) -> tuple[float, float, float]:
+def _state_bytes(params: float, dp: int, zero, sixteen_bit: bool, fp32_grads: bool) -> tuple[float, float, float]:
     w = 2.0 if sixteen_bit else 4.0
-    g = w
+    g = 4.0 if fp32_grads else w
     o = 12.0 if sixteen_bit else 8.0
     stage = zero.stage
     if stage >= 1:
@@ -73,6 +74,8 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     tp, pp = layout.tp, layout.pp
     layers = m.num_layers // pp
     sixteen_bit = cfg.precision.params_dtype in ("bf16", "fp16")
+    # The Megatron engine reduces and keeps gradients in fp32 (grad_reduce_in_fp32).
+    fp32_grads = cfg.engine.name == "megatron"
     act_bytes = 2.0 if sixteen_bit else 4.0
 
     dense_layer = layers * pc.per_layer_dense / tp
@@ -103,8 +106,8 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     best = None
     for stage_extra, stage_acts, stage_logits in stages:
         dense = dense_layer + stage_extra
-        wd, gd, od = _state_bytes(dense, layout.dp, cfg.zero, sixteen_bit)
-        we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sixteen_bit)
+        wd, gd, od = _state_bytes(dense, layout.dp, cfg.zero, sixteen_bit, fp32_grads)
+        we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sixteen_bit, fp32_grads)
         est = MemoryEstimate(
             weights_gib=(wd + we) / GIB,
             grads_gib=(gd + ge) / GIB,

@@ -141,7 +141,7 @@ class TrainConfig:
 class RunConfig:
     """The whole experiment, as composed by Hydra from `conf/`."""
 
-    experiment: str = "tiny_llama_cpu"
+    name: str = "tiny_llama_cpu"  # the experiment's name (job directories, MLflow tags)
     job_root: str = "jobs"
     # Explicit job directory; it must not exist yet. None: job_root/experiment/<time>.
     job_dir: Optional[str] = None

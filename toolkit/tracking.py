@@ -71,7 +71,7 @@ def open_run(cfg, job_dir: Path, layout) -> str:
     exp_id = exp.experiment_id if exp else client.create_experiment(
         cfg.tracking.experiment, artifact_location=_artifact_location(uri))
     tags = {
-        "gridwright.experiment": cfg.experiment,
+        "gridwright.experiment": cfg.name,
         "gridwright.engine": cfg.engine.name,
         "gridwright.layout": layout.describe(),
         "gridwright.world_size": str(layout.world_size),

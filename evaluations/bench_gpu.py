@@ -1,0 +1,126 @@
+"""Training throughput, MFU and memory of the Megatron-Core engine on the local GPU(s).
+
+    python -m gridwright.evaluations.bench_gpu [--out DIR] [--only NAME ...]
+
+Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
+steps after the first. The GPU kind is read from the device and written with the
+numbers: compare only rows from the same card and the same invocation.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+COMMON = ["tracking=off", "precision=bf16"]
+# name: (GPUs, overrides)
+CASES = {
+    "bench_1b_1gpu": (1, ["+experiment=bench_gpu", "train.steps=12"]),
+    "bench_1b_dp2": (2, ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=12"]),
+    "bench_1b_tp2": (2, ["+experiment=bench_gpu", "cluster=h100_x2", "parallel.tp=2", "train.steps=12"]),
+    "bench_1b_pp2": (2, ["+experiment=bench_gpu", "cluster=h100_x2", "parallel.pp=2", "train.steps=12"]),
+    "llama3_8b_16l_tp2": (2, ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "parallel.tp=2",
+                              "model.num_layers=16", "train.seq_length=4096", "train.micro_batch_size=1",
+                              "train.global_batch_size=8", "train.steps=10", "train.recompute=selective",
+                              "name=llama3_8b_16l_tp2"]),
+    "mixtral_4l_ep2": (2, ["model=mixtral_8x7b", "cluster=h100_x2", "zero=stage1", "parallel.ep=2",
+                           "model.num_layers=4", "train.seq_length=4096", "train.micro_batch_size=1",
+                           "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
+                           "name=mixtral_4l_ep2"]),
+}
+
+
+def device_overrides() -> list[str]:
+    """Name the card actually present (an H200 may stand in for an H100)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return [f"cluster.gpu.name={props.name.replace(' ', '_')}",
+            f"cluster.gpu.memory_gib={props.total_memory / 2**30:.1f}"]
+
+
+def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str]) -> dict:
+    job_dir = jobs / name
+    cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, text=True, capture_output=True)
+    print(proc.stdout[-2500:], proc.stderr[-4000:] if proc.returncode else "", flush=True)
+    row = {"case": name, "gpus": gpus, "exit_code": proc.returncode}
+    summary = job_dir / "summary.json"
+    if proc.returncode == 0 and summary.exists():
+        s = json.loads(summary.read_text())
+        last = json.loads((job_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        row.update(
+            tokens_per_s_per_gpu=s["tokens_per_s_per_gpu"],
+            mfu=s.get("mfu"),
+            step_time_s=s["mean_step_time_s"],
+            first_loss=s["first_loss"],
+            last_loss=s["last_loss"],
+            memory_max_allocated_gib=last.get("memory_max_allocated_gib"),
+            layer_spec=s.get("layer_spec"),
+            layout=(job_dir / "config.yaml").exists() and _layout(job_dir),
+        )
+    return row
+
+
+def _layout(job_dir: Path) -> str:
+    doc = json.loads((job_dir / "placement.json").read_text())["layout"]
+    return f"TP={doc['tp']} PP={doc['pp']} DP={doc['dp']} EP={doc['ep']}"
+
+
+def table(rows: list[dict], card: str) -> str:
+    lines = [
+        f"GPU: {card}",
+        "",
+        "| case | GPUs | layout | tokens/s/GPU | MFU | step s | max alloc GiB | loss first→last | spec |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["exit_code"]:
+            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) | | | | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        lines.append(
+            f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+            f"{r['step_time_s']:.3f} | {r['memory_max_allocated_gib']:.1f} | "
+            f"{r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['layer_spec']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
+    ap.add_argument("--only", nargs="*")
+    args = ap.parse_args()
+    n = torch.cuda.device_count()
+    card = torch.cuda.get_device_name(0)
+    jobs = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+    rows = []
+    for name, (gpus, overrides) in CASES.items():
+        if args.only and name not in args.only:
+            continue
+        if gpus > n:
+            print(f"skip {name}: needs {gpus} GPUs, {n} present")
+            continue
+        rows.append(run_case(name, gpus, overrides, jobs, device_overrides()))
+    text = table(rows, f"{n} x {card}, torch {torch.__version__}")
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    (args.out / f"bench_gpu_{stamp}.md").write_text(
+        f"# bench_gpu, {stamp}\n\nCommand: `python -m gridwright.evaluations.bench_gpu`\n\n{text}\n")
+    (args.out / f"bench_gpu_{stamp}.json").write_text(json.dumps({"card": card, "gpus": n, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-COMMON = ["tracking=off", "precision=bf16"]
+COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3"]
 # name: (GPUs, overrides)
 CASES = {
     "bench_1b_1gpu": (1, ["+experiment=bench_gpu", "train.steps=12"]),

@@ -52,6 +52,7 @@ BROKEN = {
     "cp_without_te": (["parallel.cp=2", "train.micro_batch_size=1", "train.global_batch_size=8"],
                       ["parallel.cp=2 needs Transformer Engine"]),
     "sp_without_te": (["parallel.tp=2", "parallel.sp=true"], ["parallel.sp=true needs Transformer Engine"]),
+    "warmup_too_long": (["train.steps=2"], ["train.warmup_steps=2 must be below train.steps=2"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }

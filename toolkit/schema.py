@@ -138,6 +138,16 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Megatron-Core distributed checkpoints (engine=megatron)."""
+
+    save: Optional[str] = None  # directory for checkpoints; None: no checkpoints
+    save_interval: int = 0  # save every N steps; 0: only after the last step
+    load: Optional[str] = None  # resume from the newest complete checkpoint here
+    weights_only: bool = False  # load model weights only (fine-tuning, converted checkpoints)
+
+
+@dataclass
 class RunConfig:
     """The whole experiment, as composed by Hydra from `conf/`."""
 
@@ -154,3 +164,4 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -61,6 +61,11 @@ def check_choices(cfg) -> list[str]:
         out.append(
             f"precision.fp8_recipe='{cfg.precision.fp8_recipe}' is not one of {', '.join(FP8_RECIPES)} (or null)."
         )
+    if cfg.train.warmup_steps >= cfg.train.steps >= 1:
+        out.append(
+            f"train.warmup_steps={cfg.train.warmup_steps} must be below train.steps={cfg.train.steps} "
+            "(the cosine decay needs steps after the warm-up)."
+        )
     if cfg.zero.stage not in (0, 1, 2, 3):
         out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3.")
     for path, v in (
@@ -239,6 +244,32 @@ def check_layer_spec(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]
     return out
 
 
+def check_checkpoint(cfg) -> list[str]:
+    from pathlib import Path
+
+    from .engines.megatron_checkpoint import LATEST, describe_problem
+
+    ck, out = cfg.checkpoint, []
+    if not (ck.save or ck.load):
+        return out
+    if cfg.engine.name != "megatron":
+        out.append("checkpoint.save/load are wired for engine=megatron only.")
+    if ck.save_interval < 0:
+        out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
+    if ck.load and cfg.launcher.name == "local":
+        problem = describe_problem(ck.load)
+        if problem:
+            out.append(problem)
+    if ck.save and (Path(ck.save) / LATEST).exists():
+        same = ck.load and Path(ck.load).resolve() == Path(ck.save).resolve()
+        if not same:
+            out.append(
+                f"checkpoint.save={ck.save} already holds checkpoints of another run; gridwright does not "
+                "mix runs. Fix: resume with checkpoint.load set to the same directory, or save elsewhere."
+            )
+    return out
+
+
 def check_launcher(cfg) -> list[str]:
     if cfg.launcher.name == "local" and cfg.cluster.nodes > 1:
         return [
@@ -298,6 +329,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_layer_spec(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_launcher(cfg)
+    problems += check_checkpoint(cfg)
     placement = None
     if not problems:
         placement = plan_placement(layout)

@@ -65,6 +65,8 @@ class Reporter:
             )
 
     def finish(self, extra: dict) -> None:
+        if not self.history:  # resumed at the last step: nothing ran
+            return
         steady = self.history[1:] or self.history  # the first step includes warm-up
         summary = {
             "steps": len(self.history),

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .. import synthetic_data
 from ..layout import ParallelLayout
 from ..validation import transformer_engine_available
+from . import megatron_checkpoint
 from .megatron_cpu_compat import apply_megatron_fixes, cpu_compat
 from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs
 
@@ -154,6 +155,10 @@ class MegatronTrainer:
             end_wd=t.weight_decay,
             wd_incr_steps=t.steps,
             wd_incr_style="constant",
+            # On resume the config's schedule wins (a run may be extended); the step
+            # count comes from the checkpoint.
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -227,9 +232,13 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
     with ctx:
         init_parallel(cfg, layout)
         trainer = MegatronTrainer(cfg, layout)
+        ck = cfg.checkpoint
+        first_step = 0
+        if ck.load:
+            first_step = megatron_checkpoint.load(trainer, ck.load, weights_only=ck.weights_only)
         if on_start is not None:
             on_start(trainer)
-        for step in range(cfg.train.steps):
+        for step in range(first_step, cfg.train.steps):
             if not on_cpu:
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -239,6 +248,9 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
             metrics["step_time_s"] = time.perf_counter() - start
             if trainer.is_logging_rank:
                 on_step(step, metrics)
+            done = step + 1
+            if ck.save and (done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)):
+                megatron_checkpoint.save(trainer, done, ck.save)
         dist.barrier()
         from megatron.core import parallel_state as ps
 

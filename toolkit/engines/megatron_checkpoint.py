@@ -1,0 +1,206 @@
+"""Checkpoints of the Megatron-Core engine: distributed (torch_dist), resumable, reshardable.
+
+On disk, under `checkpoint.save`:
+
+    iter_0000010/     one complete Megatron-Core distributed checkpoint
+    latest            the name of the newest complete one (replaced atomically)
+
+A save writes `iter_N.partial/`, renames it to `iter_N/` once every rank has finished,
+and only then points `latest` at it, so a process killed mid-save leaves the previous
+checkpoint as the one that loads. Model and optimizer are sharded state dicts (the
+distributed optimizer in its fully reshardable form), so a checkpoint loads onto another
+TP/PP/EP layout. Step, scheduler, layout and seed are common state; RNG states are saved
+per rank and restored only onto the same layout (they have no meaning on another).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..atomic_io import write_text_atomic
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root`, or None when there is none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not name.startswith("iter_") or not (path / "metadata.json").exists():
+        raise CheckpointError(
+            f"{pointer} names '{name}', which is not a complete checkpoint in {root}. "
+            "Fix: point checkpoint.load at an intact checkpoint directory."
+        )
+    return path
+
+
+def describe_problem(root: str | os.PathLike) -> str | None:
+    """Why `root` cannot be resumed from (used by validation before anything starts)."""
+    root = Path(root)
+    if not root.is_dir():
+        return f"checkpoint.load={root} does not exist."
+    try:
+        if latest_checkpoint(root) is None:
+            return f"checkpoint.load={root} has no '{LATEST}' file: it holds no complete checkpoint."
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _layout_signature(layout) -> dict:
+    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "ep": layout.ep,
+            "etp": layout.etp, "dp": layout.dp, "world_size": layout.world_size}
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sd = {}
+    for i, m in enumerate(trainer.model):
+        model_sd[f"model{i}"] = m.module.sharded_state_dict()
+    state = dict(model_sd)
+    # Without the "chained_N." prefix the optimizer state is keyed by parameter alone, so it
+    # loads whether or not the target layout splits experts into a second optimizer (EP>1).
+    meta = {"chained_optim_avoid_prefix": True}
+    if trainer.cfg.zero.stage >= 1:
+        meta["distrib_optim_sharding_type"] = "fully_reshardable"
+    # The optimizer finds its parameters' shards anywhere in this nested dict.
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta)
+    if with_rng:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        state["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def _match_optimizer_structure(loaded: dict, target: dict, path: Path) -> dict:
+    """Fit a one-optimizer checkpoint to a chained optimizer (dense + experts, as EP>1 builds).
+
+    Tensor states are keyed by parameter and load into either structure; only the
+    common part (param groups, step count) follows the saving run's structure.
+    """
+    chained_target = all(isinstance(k, int) for k in target)
+    chained_source = "param_groups" not in loaded
+    if chained_target == chained_source:
+        return loaded
+    if chained_source:
+        raise CheckpointError(
+            f"{path} was saved by a run with separate expert and dense optimizers (EP>1); this layout "
+            "builds one. Fix: resume with the same expert layout, or set checkpoint.weights_only=true."
+        )
+    common_step = loaded.get("state", {}).get("common_step")
+    out = {}
+    for idx in target:
+        sub = dict(loaded[idx])
+        sub["param_groups"] = [
+            {k: (v.unwrap() if hasattr(v, "unwrap") else v) for k, v in group.items()}
+            for group in target[idx]["param_groups"]
+        ]
+        if common_step is not None:
+            sub["state"] = dict(sub["state"], common_step=common_step)
+        out[idx] = sub
+    return out
+
+
+def save(trainer, step: int, root: str | os.PathLike) -> Path:
+    """Save after `step` completed steps; returns the final checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / iteration_name(step)
+    partial = root / (iteration_name(step) + ".partial")
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a save that was killed
+            shutil.rmtree(partial)
+        partial.mkdir()
+    dist.barrier()
+    state = _sharded_state(trainer, is_loading=False, with_rng=True)
+    state["common"] = {
+        "step": step,
+        "scheduler": trainer.scheduler.state_dict(),
+        "layout": _layout_signature(trainer.layout),
+        "seed": trainer.cfg.train.seed,
+        "model": trainer.cfg.model.name,
+    }
+    dist_checkpointing.save(state, str(partial))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        write_text_atomic(root / LATEST, final.name + "\n")
+    dist.barrier()
+    return final
+
+
+def load(trainer, root: str | os.PathLike, weights_only: bool = False) -> int:
+    """Restore from the newest checkpoint under `root`; returns the step to continue from."""
+    from megatron.core import dist_checkpointing
+
+    path = latest_checkpoint(root)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint under {root}")
+    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    if common["model"] != trainer.cfg.model.name:
+        raise CheckpointError(
+            f"{path} holds model '{common['model']}', but this run builds '{trainer.cfg.model.name}'."
+        )
+    same_layout = common["layout"] == _layout_signature(trainer.layout)
+    if weights_only:
+        state = {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(trainer.model)}
+    else:
+        state = _sharded_state(trainer, is_loading=True, with_rng=same_layout)
+    target_optimizer = None if weights_only else state["optimizer"]
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, m in enumerate(trainer.model):
+        m.module.load_state_dict(loaded[f"model{i}"])
+    if weights_only:
+        return 0
+    trainer.optimizer.load_state_dict(_match_optimizer_structure(loaded["optimizer"], target_optimizer, path))
+    trainer.scheduler.load_state_dict(common["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng"])
+    return int(common["step"])

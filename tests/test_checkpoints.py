@@ -81,19 +81,37 @@ def test_saving_over_another_runs_checkpoints_is_refused(run_launch, tmp_path):
     assert sorted(p.name for p in ck.iterdir()) == before
 
 
-@pytest.mark.parametrize("model,layout", [
-    ("tiny_llama", "+experiment=tiny_llama_tp2"),
-    ("tiny_llama", "+experiment=tiny_llama_pp2"),
-    ("tiny_mixtral", "+experiment=tiny_mixtral_cpu"),
-])
-def test_resharded_resume_matches_single_process(run_launch, tmp_path, model, layout):
-    """A 1-process checkpoint resumed on 2 processes (TP, PP or EP) follows the 1-process run."""
+LAYOUTS = {
+    "tp2": ("tiny_llama", ["+experiment=tiny_llama_tp2"]),
+    "tp2_sp": ("tiny_llama", ["+experiment=tiny_llama_tp2", "parallel.sp=true"]),
+    "pp2": ("tiny_llama", ["+experiment=tiny_llama_pp2"]),
+    "pp2_vpp2": ("tiny_llama", ["+experiment=tiny_llama_pp2", "parallel.vpp=2"]),
+    "dp2_distopt_overlap": ("tiny_llama", ["zero=stage1", "engine.overlap_grad_reduce=true",
+                                           "engine.overlap_param_gather=true"]),
+    "tp2_distopt": ("tiny_llama", ["+experiment=tiny_llama_tp2", "zero=stage2"]),
+    "ep2": ("tiny_mixtral", ["+experiment=tiny_mixtral_cpu"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_resharded_resume_matches_single_process(run_launch, tmp_path, name):
+    """Resumed on 2 processes from a 1-process checkpoint, a run follows the uninterrupted
+    1-process run step for step.
+
+    Covers TP (with and without SP), PP (1F1B and interleaved), DP with the distributed
+    optimizer and communication overlap, and EP: each must be the same mathematics, and
+    the optimizer state must survive the resharding exactly.
+    """
+    model, layout = LAYOUTS[name]
     ck = tmp_path / "ck"
     single = ["cluster.gpus_per_node=1", f"model={model}", "parallel.moe_token_dispatcher=allgather"]
-    train(run_launch, tmp_path, "base", *single, "train.steps=2", f"checkpoint.save={ck}")
-    one = train(run_launch, tmp_path, "one", *single, "train.steps=6", f"checkpoint.load={ck}")
-    two = train(run_launch, tmp_path, "two", layout, "train.steps=6", f"checkpoint.load={ck}")
-    assert sorted(one) == sorted(two) == [2, 3, 4, 5]
-    for step in one:
+    if "distopt" in name:
+        single.append("zero=stage1")  # the optimizer state's form follows the ZeRO stage
+    one = train(run_launch, tmp_path, "one", *single, "train.steps=6", f"checkpoint.save={ck}",
+                "checkpoint.save_interval=2")
+    (ck / "latest").write_text("iter_0000002\n")  # resume from the middle of that run
+    two = train(run_launch, tmp_path, "two", *layout, "train.steps=6", f"checkpoint.load={ck}")
+    assert sorted(two) == [2, 3, 4, 5]
+    for step in two:
         # fp32 on CPU; reductions are ordered differently across layouts.
         assert two[step] == pytest.approx(one[step], abs=1e-4), (step, one[step], two[step])

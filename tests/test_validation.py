@@ -51,8 +51,9 @@ BROKEN = {
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["moe_token_dispatcher=alltoall", "allgather"]),
     "cp_without_te": (["parallel.cp=2", "train.micro_batch_size=1", "train.global_batch_size=8"],
                       ["parallel.cp=2 needs Transformer Engine"]),
-    "sp_without_te": (["parallel.tp=2", "parallel.sp=true"], ["parallel.sp=true needs Transformer Engine"]),
     "warmup_too_long": (["train.steps=2"], ["train.warmup_steps=2 must be below train.steps=2"]),
+    "param_gather_without_sharding": (["engine.overlap_param_gather=true"],
+                                      ["overlap_param_gather=true needs the distributed optimizer"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }

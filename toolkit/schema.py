@@ -98,6 +98,11 @@ class ClusterConfig:
 @dataclass
 class EngineConfig:
     name: str = "megatron"  # megatron | deepspeed
+    # Megatron-Core DDP: overlap the gradient reduce-scatter/all-reduce with backward, and
+    # (distributed optimizer only) the parameter all-gather with the next forward.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: Optional[int] = None  # elements per communication bucket; None: Megatron's default
 
 
 @dataclass

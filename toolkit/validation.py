@@ -207,6 +207,11 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
                 "CPU offload is a DeepSpeed feature here (ZeRO-Offload); engine=megatron has no such mode in "
                 "gridwright. Fix: engine=deepspeed, or zero.offload_optimizer=false."
             )
+        if cfg.engine.overlap_param_gather and z.stage == 0:
+            out.append(
+                "engine.overlap_param_gather=true needs the distributed optimizer (zero.stage=1 or 2): "
+                "without sharding there is no parameter all-gather to overlap."
+            )
     if e == "deepspeed":
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(layout, name) > 1:
@@ -225,7 +230,7 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
 
 
 def check_layer_spec(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
-    """Without Transformer Engine the local spec has neither ring attention nor an SP norm."""
+    """Without Transformer Engine there is no context-parallel attention here."""
     if not for_launch or cfg.launcher.name != "local" or cfg.engine.name != "megatron":
         return []
     if transformer_engine_available():
@@ -235,11 +240,6 @@ def check_layer_spec(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]
         out.append(
             f"parallel.cp={layout.cp} needs Transformer Engine's context-parallel attention, which cannot "
             "be imported here. Fix: parallel.cp=1 (or run where TE is installed)."
-        )
-    if layout.sp:
-        out.append(
-            "parallel.sp=true needs Transformer Engine's norms here (Megatron-Core's torch norm refuses "
-            "sequence parallel). Fix: parallel.sp=false (or run where TE is installed)."
         )
     return out
 

@@ -95,6 +95,17 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _materialise_distributed_optimizer_states(optimizer) -> None:
+    """A fresh distributed optimizer has no Adam states yet, and without Apex or TE its
+    `state_dict()` asserts on that (distrib_optimizer.py:642) before loading can fill them.
+    Megatron-Core's own helper creates placeholder states that the load overwrites."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -102,6 +113,8 @@ def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:
     for i, m in enumerate(trainer.model):
         model_sd[f"model{i}"] = m.module.sharded_state_dict()
     state = dict(model_sd)
+    if is_loading:
+        _materialise_distributed_optimizer_states(trainer.optimizer)
     # Without the "chained_N." prefix the optimizer state is keyed by parameter alone, so it
     # loads whether or not the target layout splits experts into a second optimizer (EP>1).
     meta = {"chained_optim_avoid_prefix": True}
@@ -121,14 +134,15 @@ def _match_optimizer_structure(loaded: dict, target: dict, path: Path) -> dict:
     Tensor states are keyed by parameter and load into either structure; only the
     common part (param groups, step count) follows the saving run's structure.
     """
-    chained_target = all(isinstance(k, int) for k in target)
-    chained_source = "param_groups" not in loaded
-    if chained_target == chained_source:
+    chained_target = bool(target) and all(isinstance(k, int) for k in target)
+    extra = [k for k in loaded if not isinstance(k, int)]  # common state of a one-optimizer save
+    source_chained = not extra
+    if chained_target == source_chained or (not chained_target and not any(isinstance(k, int) for k in loaded)):
         return loaded
-    if chained_source:
+    if not chained_target or "param_groups" not in loaded:
         raise CheckpointError(
-            f"{path} was saved by a run with separate expert and dense optimizers (EP>1); this layout "
-            "builds one. Fix: resume with the same expert layout, or set checkpoint.weights_only=true."
+            f"{path} was saved with a different split into dense and expert optimizers (EP>1 builds two). "
+            "Fix: resume with the saving run's expert layout and ZeRO stage, or set checkpoint.weights_only=true."
         )
     common_step = loaded.get("state", {}).get("common_step")
     out = {}
@@ -164,6 +178,7 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
         "layout": _layout_signature(trainer.layout),
         "seed": trainer.cfg.train.seed,
         "model": trainer.cfg.model.name,
+        "distributed_optimizer": trainer.cfg.zero.stage >= 1,
     }
     dist_checkpointing.save(state, str(partial))
     dist.barrier()
@@ -189,6 +204,14 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False) -> int:
             f"{path} holds model '{common['model']}', but this run builds '{trainer.cfg.model.name}'."
         )
     same_layout = common["layout"] == _layout_signature(trainer.layout)
+    distributed = trainer.cfg.zero.stage >= 1
+    if not weights_only and common.get("distributed_optimizer", distributed) != distributed:
+        raise CheckpointError(
+            f"{path} was saved {'with' if not distributed else 'without'} the distributed optimizer "
+            f"(ZeRO stage {'1-2' if not distributed else '0'}); this run uses zero.stage={trainer.cfg.zero.stage}, "
+            "whose optimizer state has another form. Fix: resume with the saving run's ZeRO stage, "
+            "or set checkpoint.weights_only=true to start a fresh optimizer."
+        )
     if weights_only:
         state = {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(trainer.model)}
     else:

@@ -18,9 +18,7 @@ source, a CPU run enters `cpu_compat()`, which:
    - `torch.cuda.synchronize` -> no-op (p2p_communication.py:242, 398)
    - `torch.cuda.Stream`, `torch.cuda.stream` -> inert stand-ins
      (distributed/distributed_data_parallel.py:230 communication stream)
-3. binds `moe_utils.te_general_gemm = None` (transformer/moe/moe_utils.py:1192 reads a
-   name that is only bound when Transformer Engine imports; the bug exists on GPU too,
-   so `apply_megatron_fixes` does this for every run).
+Bugs that appear without Transformer Engine on any device are fixed in `megatron_fixes`.
 
 RNG: `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)` avoids
 `torch.cuda.get_rng_state` (tensor_parallel/random.py); dropout then draws from the CPU
@@ -35,6 +33,8 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .megatron_fixes import apply_megatron_fixes
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -85,14 +85,6 @@ class _InertStream:
 
     def record_event(self, event=None):
         return None
-
-
-def apply_megatron_fixes() -> None:
-    """Needed on every device: moe_utils.py:1192 reads an unbound name without TE."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager

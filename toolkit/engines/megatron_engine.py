@@ -18,7 +18,8 @@ from .. import synthetic_data
 from ..layout import ParallelLayout
 from ..validation import transformer_engine_available
 from . import megatron_checkpoint
-from .megatron_cpu_compat import apply_megatron_fixes, cpu_compat
+from .megatron_cpu_compat import cpu_compat
+from .megatron_fixes import apply_megatron_fixes
 from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs
 
 
@@ -112,10 +113,14 @@ class MegatronTrainer:
         self.spec_name = "transformer_engine" if te else "local+sdpa"
         chunks = build_model_chunks(cfg, self.tcfg, te)
         use_dist_opt = cfg.zero.stage >= 1
+        e = cfg.engine
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=e.overlap_grad_reduce,
+            overlap_param_gather=e.overlap_param_gather,
+            align_param_gather=e.overlap_param_gather and len(chunks) > 1,
             use_distributed_optimizer=use_dist_opt,
+            bucket_size=e.bucket_size,
         )
         self.model = []
         for i, chunk in enumerate(chunks):
@@ -128,6 +133,14 @@ class MegatronTrainer:
                 )
             )
         self.tcfg.finalize_model_grads_func = finalize_model_grads
+        # The schedule drives DDP's communication through these hooks (one per chunk).
+        single = len(self.model) == 1
+        if e.overlap_grad_reduce:
+            no_sync = [m.no_sync for m in self.model]
+            self.tcfg.no_sync_func = no_sync[0] if single else no_sync
+            self.tcfg.grad_sync_func = None if single else [m.start_grad_sync for m in self.model]
+        if e.overlap_param_gather and not single:
+            self.tcfg.param_sync_func = [m.start_param_sync for m in self.model]
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=t.lr,
@@ -140,6 +153,7 @@ class MegatronTrainer:
             params_dtype=DTYPES[p.params_dtype],
             clip_grad=t.grad_clip,
             use_distributed_optimizer=use_dist_opt,
+            overlap_param_gather=e.overlap_param_gather,
             initial_loss_scale=2.0**16 if p.params_dtype == "fp16" else None,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.model)

@@ -111,16 +111,47 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def layer_spec(cfg, te_available: bool):
-    """Transformer Engine's spec when TE imports; else the local spec with SDPA attention."""
+class TorchRMSNorm(torch.nn.Module):
+    """RMSNorm through torch.nn.functional.rms_norm, usable with sequence parallelism.
+
+    Under SP each TP rank normalises a different slice of the sequence, so the weight's
+    gradient is partial: marking it `sequence_parallel` makes Megatron-Core's
+    finalize_model_grads all-reduce it over the TP group. (Megatron-Core's own torch norm
+    refuses SP; its fused norms need TE or Apex.) Computed in fp32 for bf16 inputs.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x):
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return out.to(x.dtype)
+
+
+def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
+    """Transformer Engine's spec when TE imports; else a torch-native one (SDPA, TorchRMSNorm).
+
+    The torch-native spec is Megatron-Core's local spec with two parts injected, so its
+    checkpoints keep the local (TE-compatible) parameter names.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     num_experts = cfg.model.num_experts or None
     if te_available:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return spec
+    spec.submodules.input_layernorm = TorchRMSNorm
+    spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    layers = get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchRMSNorm)
 
 
 def build_model_chunks(cfg, tcfg, te_available: bool) -> list:
@@ -128,14 +159,13 @@ def build_model_chunks(cfg, tcfg, te_available: bool) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    spec = layer_spec(cfg, te_available)
     vpp = cfg.parallel.vpp or 1
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if cfg.parallel.vpp else None
         model = GPTModel(
             config=tcfg,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(cfg, tcfg, te_available, vp_stage=stage),
             vocab_size=cfg.model.vocab_size,
             max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

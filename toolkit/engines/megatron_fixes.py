@@ -1,0 +1,74 @@
+"""Fixes for Megatron-Core 0.16.1 bugs that appear without Transformer Engine or Apex.
+
+They bite on GPUs too (the GPU machines here have neither), so every Megatron run applies
+them, unlike the CPU-only workarounds in `megatron_cpu_compat`. Each names the upstream
+line; `tests/test_cpu_compat.py` checks that the line is still there.
+"""
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def apply_megatron_fixes() -> None:
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    _bind_te_general_gemm()
+    _skip_step_when_loading_reshardable_optimizer_state()
+    _untie_adam_steps_after_loading()
+
+
+def _bind_te_general_gemm() -> None:
+    """transformer/moe/moe_utils.py:1192 reads `te_general_gemm`, a name bound only when
+    TE imports: every MoE router forward raises NameError without TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _skip_step_when_loading_reshardable_optimizer_state() -> None:
+    """optimizer/distrib_optimizer.py:938 copies every per-parameter optimizer state from
+    the checkpoint, but torch's Adam (the fallback without Apex/TE) keeps a per-parameter
+    'step' that the fully reshardable format does not store (load_state_dict has already
+    set it from the param groups): KeyError 'step'. Leave 'step' out of that copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return original(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _untie_adam_steps_after_loading() -> None:
+    """optimizer/distrib_optimizer.py:825 gives every parameter's Adam state the *same*
+    'step' tensor when loading without Apex/TE. torch's Adam increments each parameter's
+    step in place, so after a resume the shared counter runs ahead by the number of
+    parameters per update and the bias correction is wrong: the resumed run drifts
+    from the uninterrupted one. Give each parameter its own copy after loading."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state and isinstance(state["step"], torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    DistributedOptimizer.load_state_dict = load_state_dict

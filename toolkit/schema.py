@@ -139,7 +139,18 @@ class TrainConfig:
     seed: int = 1234
     recompute: str = "none"  # none | selective | full
     log_interval: int = 1
-    data: str = "synthetic"  # synthetic token stream with a learnable pattern
+
+
+@dataclass
+class DataConfig:
+    """Training data: synthetic tokens, or datasets made by `python -m gridwright.prepare_data`."""
+
+    kind: str = "synthetic"  # synthetic | indexed
+    paths: list[str] = field(default_factory=list)  # dataset prefixes (without .bin/.idx)
+    weights: Optional[list[float]] = None  # blend weights, one per path; None: by size
+    split: str = "98/2/0"  # train/validation/test shares of the documents ("," works in YAML)
+    eval_interval: int = 0  # validation loss every N steps (and after the last); 0: never
+    eval_iters: int = 2  # global batches per validation
 
 
 @dataclass
@@ -169,4 +180,5 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -7,6 +7,7 @@ user fixes a broken layout in one round instead of one error at a time.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from .layout import ParallelLayout
 from .memory_estimate import estimate_memory
@@ -244,6 +245,63 @@ def check_layer_spec(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]
     return out
 
 
+def check_data(cfg) -> list[str]:
+    from .prepare_data import dataset_info
+
+    d, out = cfg.data, []
+    if d.kind not in ("synthetic", "indexed"):
+        return [f"data.kind='{d.kind}' is not one of synthetic, indexed."]
+    if d.eval_interval < 0 or d.eval_iters < 1:
+        out.append(f"data.eval_interval={d.eval_interval} must be >= 0 and data.eval_iters={d.eval_iters} >= 1.")
+    if d.kind == "synthetic":
+        return out
+    if cfg.engine.name != "megatron":
+        out.append("data.kind=indexed is wired for engine=megatron only.")
+    if not d.paths:
+        return out + ["data.kind=indexed needs data.paths (prefixes made by gridwright.prepare_data)."]
+    if d.weights is not None and len(d.weights) != len(d.paths):
+        out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths.")
+    if cfg.launcher.name != "local":
+        return out  # the files live on the cluster
+    tokenizers = set()
+    for prefix in d.paths:
+        missing = [prefix + s for s in (".bin", ".idx") if not os.path.exists(prefix + s)]
+        if missing:
+            out.append(f"dataset files missing: {', '.join(missing)}. Fix: run gridwright.prepare_data first.")
+            continue
+        try:
+            info = dataset_info(prefix)
+        except (OSError, ValueError) as e:
+            out.append(str(e))
+            continue
+        tokenizers.add(info["tokenizer"])
+        out += _split_problems(prefix, info["documents"], d.split)
+        if info["vocab_size"] > cfg.model.vocab_size:
+            out.append(
+                f"{prefix} was tokenized with a vocabulary of {info['vocab_size']} ({info['tokenizer']}), larger "
+                f"than model.vocab_size={cfg.model.vocab_size}. Fix: model.vocab_size>={info['vocab_size']}."
+            )
+    if len(tokenizers) > 1:
+        out.append(f"data.paths were made with different tokenizers: {sorted(tokenizers)}.")
+    return out
+
+
+def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
+    """Each split with a nonzero share needs a document (Megatron-Core loops forever on an empty one)."""
+    try:
+        shares = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        return [f"data.split='{split}' must be comma-separated numbers, e.g. 98,2,0."]
+    total = sum(shares)
+    names = ("train", "validation", "test")
+    return [
+        f"{prefix} has {documents} documents: the {names[i]} share {share:g}/{total:g} of data.split='{split}' "
+        "gets none. Fix: more documents, or a share of 0 for that split."
+        for i, share in enumerate(shares[:3])
+        if share > 0 and documents * share / total < 1
+    ]
+
+
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
@@ -330,6 +388,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
     problems += check_precision(cfg, for_launch)
     problems += check_launcher(cfg)
     problems += check_checkpoint(cfg)
+    problems += check_data(cfg)
     placement = None
     if not problems:
         placement = plan_placement(layout)

@@ -58,6 +58,7 @@ class Reporter:
             self.mlflow.log(step, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
             mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
+            mfu += f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
             print(
                 f"step {step:>5} loss {m['loss']:.4f} lr {m['lr']:.2e} {m['step_time_s'] * 1e3:.0f} ms "
                 f"{m['tokens_per_s_per_gpu']:.0f} tok/s/gpu{mfu}",
@@ -112,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from .engines.megatron_engine import run_training
     else:
         from .engines.deepspeed_engine import run_training
-    run_training(cfg, layout, on_step, on_start)
+    if cfg.engine.name == "megatron":
+        run_training(cfg, layout, on_step, on_start, job_dir=job_dir)
+    else:
+        run_training(cfg, layout, on_step, on_start)
     if "reporter" in state:
         state["reporter"].finish({"layer_spec": state["spec"], "placement_verified": True})
     return 0

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .. import synthetic_data
+from ..data_source import make_source
 from ..layout import ParallelLayout
 from ..validation import transformer_engine_available
 from . import megatron_checkpoint
@@ -92,7 +92,7 @@ def _forward_step(data_iterator, model):
 class MegatronTrainer:
     """Builds the model, optimizer and schedule for one rank, then runs training steps."""
 
-    def __init__(self, cfg, layout: ParallelLayout):
+    def __init__(self, cfg, layout: ParallelLayout, data_cache_dir):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -175,6 +175,7 @@ class MegatronTrainer:
             override_opt_param_scheduler=True,
         )
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        self.data = make_source(cfg, data_cache_dir)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = (
             ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -190,25 +191,16 @@ class MegatronTrainer:
         """Parameters held by this rank (sharded counts, not the model total)."""
         return sum(p.numel() for m in self.model for p in m.parameters())
 
-    def train_step(self, step: int) -> dict:
-        """One global batch: forward/backward over all micro-batches, then one update."""
-        from megatron.core import parallel_state as ps
+    def _run_schedule(self, split: str, index: int, forward_only: bool) -> list:
+        """Megatron-Core's pipeline schedule over one global batch of `split`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         t = self.cfg.train
-        for m in self.model:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
-        def batches():
-            return synthetic_data.micro_batches(
-                step, self.dp_rank, self.layout.dp, self.num_micro, t.micro_batch_size,
-                t.seq_length, self.cfg.model.vocab_size, t.seed, self.device,
-            )
-
-        iterators = [batches() for _ in self.model]
-        forward_backward = get_forward_backward_func()
-        losses = forward_backward(
+        iterators = [
+            self.data.batches(split, index, self.dp_rank, self.layout.dp, self.num_micro, self.device)
+            for _ in self.model
+        ]
+        return get_forward_backward_func()(
             forward_step_func=_forward_step,
             data_iterator=iterators if len(self.model) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
@@ -216,36 +208,60 @@ class MegatronTrainer:
             seq_length=t.seq_length,
             micro_batch_size=t.micro_batch_size,
             decoder_seq_length=t.seq_length,
-            forward_only=False,
+            forward_only=forward_only,
         )
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        updated, grad_norm, _ = self.optimizer.step()
-        if updated:
-            self.scheduler.step(increment=1)
+
+    def _mean_loss(self, losses: list) -> float:
+        """Mean over micro-batches and DP (x CP) ranks, as every rank sees it."""
+        from megatron.core import parallel_state as ps
+
         loss = torch.zeros(1, device=self.device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             loss += torch.stack([x["lm loss"] for x in losses]).mean()
             dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
             loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
+        return float(loss.item())
+
+    def train_step(self, step: int) -> dict:
+        """One global batch: forward/backward over all micro-batches, then one update."""
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule("train", step, forward_only=False)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
         return {
-            "loss": float(loss.item()),
+            "loss": self._mean_loss(losses),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_skipped": 0.0 if updated else 1.0,
         }
 
-    def compat_context(self):
-        return cpu_compat() if self.on_cpu else contextlib.nullcontext()
+    @torch.no_grad()
+    def evaluate(self, round_index: int) -> float:
+        """Validation loss over `data.eval_iters` held-out global batches."""
+        for m in self.model:
+            m.eval()
+        iters = self.cfg.data.eval_iters
+        total = sum(
+            self._mean_loss(self._run_schedule("valid", round_index * iters + i, forward_only=True))
+            for i in range(iters)
+        )
+        for m in self.model:
+            m.train()
+        return total / iters
 
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank."""
     apply_megatron_fixes()
     on_cpu = cfg.cluster.device == "cpu"
     ctx = cpu_compat() if on_cpu else contextlib.nullcontext()
     with ctx:
         init_parallel(cfg, layout)
-        trainer = MegatronTrainer(cfg, layout)
+        trainer = MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
         ck = cfg.checkpoint
         first_step = 0
         if ck.load:
@@ -260,9 +276,12 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
             if not on_cpu:
                 torch.cuda.synchronize()
             metrics["step_time_s"] = time.perf_counter() - start
+            done = step + 1
+            every = cfg.data.eval_interval
+            if every and (done % every == 0 or done == cfg.train.steps):
+                metrics["val_loss"] = trainer.evaluate(done // every)
             if trainer.is_logging_rank:
                 on_step(step, metrics)
-            done = step + 1
             if ck.save and (done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)):
                 megatron_checkpoint.save(trainer, done, ck.save)
         dist.barrier()

@@ -1,0 +1,80 @@
+"""Where a run's micro-batches come from: synthetic tokens or prepared indexed datasets.
+
+Either way, micro-batch k of DP rank r at step s holds the global samples
+s*G + r*M*B + k*B ... + B-1 (G global batch, M micro-batches, B micro-batch size), so the
+data position is a function of the step alone: a resumed run, on any layout, sees
+exactly the samples the uninterrupted one would.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import synthetic_data
+
+
+class SyntheticSource:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
+        t = self.cfg.train
+        seed = t.seed if split == "train" else t.seed + 10**6  # held-out stream for validation
+        return synthetic_data.micro_batches(index, dp_rank, dp_size, num_micro, t.micro_batch_size,
+                                            t.seq_length, self.cfg.model.vocab_size, seed, device)
+
+
+class _TokenizerInfo:
+    """The three facts Megatron-Core's GPT dataset needs from a tokenizer."""
+
+    def __init__(self, info: dict):
+        self.vocab_size, self.eod, self.pad = info["vocab_size"], info["eod"], info["pad"]
+        # Part of the dataset cache key, so a cache built for another tokenizer is not reused.
+        self.unique_identifiers = {"tokenizer": info["tokenizer"], "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+class IndexedSource:
+    """Megatron-Core's GPTDataset over .bin/.idx files, blended and split by its builder."""
+
+    def __init__(self, cfg, cache_dir: Path):
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        from .prepare_data import dataset_info
+
+        self.cfg = cfg
+        d, t = cfg.data, cfg.train
+        info = dataset_info(d.paths[0])
+        evals = (t.steps // d.eval_interval + 1) if d.eval_interval else 0
+        sizes = [t.steps * t.global_batch_size, evals * d.eval_iters * t.global_batch_size, 0]
+        config = GPTDatasetConfig(
+            random_seed=t.seed,
+            sequence_length=t.seq_length,
+            blend=(list(d.paths), list(d.weights) if d.weights else None),
+            split=d.split.replace("/", ","),  # "/" lets the split pass Hydra's command line
+            tokenizer=_TokenizerInfo(info),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+            path_to_cache=str(cache_dir),
+        )
+        self.train, self.valid, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, sizes, lambda: True, config
+        ).build()
+
+    def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
+        b = self.cfg.train.micro_batch_size
+        dataset = self.train if split == "train" else self.valid
+        base = index * num_micro * b * dp_size + dp_rank * num_micro * b
+        for mb in range(num_micro):
+            items = [dataset[base + mb * b + j] for j in range(b)]
+            yield {
+                key: torch.stack([torch.as_tensor(it[key]) for it in items]).to(device)
+                for key in ("tokens", "labels", "loss_mask", "position_ids")
+            }
+
+
+def make_source(cfg, cache_dir: Path):
+    return IndexedSource(cfg, cache_dir) if cfg.data.kind == "indexed" else SyntheticSource(cfg)

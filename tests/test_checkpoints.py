@@ -90,6 +90,7 @@ LAYOUTS = {
                                            "engine.overlap_param_gather=true"]),
     "tp2_distopt": ("tiny_llama", ["+experiment=tiny_llama_tp2", "zero=stage2"]),
     "ep2": ("tiny_mixtral", ["+experiment=tiny_mixtral_cpu"]),
+    "cp2": ("tiny_llama", ["parallel.cp=2"]),
 }
 
 
@@ -98,7 +99,7 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name):
     """Resumed on 2 processes from a 1-process checkpoint, a run follows the uninterrupted
     1-process run step for step.
 
-    Covers TP (with and without SP), PP (1F1B and interleaved), DP with the distributed
+    Covers TP (with and without SP), PP (1F1B and interleaved), CP, DP with the distributed
     optimizer and communication overlap, and EP: each must be the same mathematics, and
     the optimizer state must survive the resharding exactly.
     """

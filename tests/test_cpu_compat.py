@@ -21,6 +21,7 @@ CITED = [
     ("pipeline_parallel/p2p_communication.py", "torch.cuda.synchronize()"),
     ("distributed/distributed_data_parallel.py", "torch.cuda.Stream(device=torch.cuda.current_device())"),
     ("transformer/moe/moe_utils.py", "if te_general_gemm is not None"),
+    ("models/common/embeddings/rope_utils.py", "pin_memory=True"),
     ("optimizer/distrib_optimizer.py", "dst_tensors = {\"param\": main_param, **optim_state}"),
     ("optimizer/distrib_optimizer.py", "                s[\"step\"] = step\n"),
 ]

@@ -49,8 +49,6 @@ BROKEN = {
     "memory": (GPU8 + ["model=llama3_70b", "launcher=plan"], ["estimated memory per GPU", "exceeds H100-SXM's 79.6 GiB"]),
     "local_multinode": (GPU8 + ["model=llama3_8b", "cluster.nodes=2", "parallel.tp=8"], ["launcher=local runs on this machine only"]),
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["moe_token_dispatcher=alltoall", "allgather"]),
-    "cp_without_te": (["parallel.cp=2", "train.micro_batch_size=1", "train.global_batch_size=8"],
-                      ["parallel.cp=2 needs Transformer Engine"]),
     "warmup_too_long": (["train.steps=2"], ["train.warmup_steps=2 must be below train.steps=2"]),
     "param_gather_without_sharding": (["engine.overlap_param_gather=true"],
                                       ["overlap_param_gather=true needs the distributed optimizer"]),

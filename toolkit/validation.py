@@ -230,21 +230,6 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
     return out
 
 
-def check_layer_spec(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
-    """Without Transformer Engine there is no context-parallel attention here."""
-    if not for_launch or cfg.launcher.name != "local" or cfg.engine.name != "megatron":
-        return []
-    if transformer_engine_available():
-        return []
-    out = []
-    if layout.cp > 1:
-        out.append(
-            f"parallel.cp={layout.cp} needs Transformer Engine's context-parallel attention, which cannot "
-            "be imported here. Fix: parallel.cp=1 (or run where TE is installed)."
-        )
-    return out
-
-
 def check_data(cfg) -> list[str]:
     from .prepare_data import dataset_info
 
@@ -384,7 +369,6 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_context_parallel(cfg, layout)
         problems += check_batch(cfg, layout)
         problems += check_engine(cfg, layout)
-        problems += check_layer_spec(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_launcher(cfg)
     problems += check_checkpoint(cfg)

@@ -12,6 +12,7 @@ source, a CPU run enters `cpu_compat()`, which:
    - optimizer/distrib_optimizer.py:420-437          `model_param.type()` must name a CUDA type
    - optimizer/grad_scaler.py:15-94                  device='cuda' (fp16 loss scaling)
    - distributed/param_and_grad_buffer.py:768-806    device="cuda" / current_device()
+   - models/common/embeddings/rope_utils.py:62       torch.tensor(..., pin_memory=True) (CP)
 2. replaces a few `torch.cuda` functions that raise without CUDA:
    - `torch.cuda.current_device` -> the CPU device (core/utils.py:631 GlobalMemoryBuffer,
      transformer/moe/router.py:90, p2p_communication.py:190-321, distrib_optimizer.py:791)
@@ -61,6 +62,8 @@ class CudaAsCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinned memory needs an accelerator
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -76,15 +76,26 @@ def observed_coordinates() -> dict:
 
 
 def _loss_func(loss_mask, output_tensor):
+    from megatron.core import parallel_state as ps
+
     losses = output_tensor.float()
-    loss = torch.sum(losses.view(-1) * loss_mask.view(-1)) / loss_mask.sum()
+    local_sum = torch.sum(losses.view(-1) * loss_mask.view(-1))
+    tokens = loss_mask.sum()
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        # Each CP rank holds part of every sequence: divide by the whole sequence's token
+        # count. (The schedule multiplies by CP and DDP averages over DP x CP.)
+        dist.all_reduce(tokens, group=ps.get_context_parallel_group())
+    loss = local_sum / tokens
     # The schedule divides the returned loss in place by the number of micro-batches;
-    # report a copy.
-    return loss, {"lm loss": loss.detach().clone()}
+    # report a copy (scaled so that the mean over CP ranks is the sequence's loss).
+    return loss, {"lm loss": loss.detach().clone() * cp}
 
 
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = get_batch_on_this_cp_rank(next(data_iterator))  # no-op without CP
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 

@@ -81,6 +81,38 @@ def transformer_config_kwargs(cfg, layout) -> dict:
     return kw
 
 
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the CP group; the backward sums every rank's gradient and keeps
+    this rank's slice. (torch.distributed.nn's all_gather relies on reduce_scatter, which
+    gloo lacks.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def _cp_positions(local_len: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:
+    """Global positions of this rank's tokens: chunks r and 2*CP-1-r of 2*CP (load balance),
+    as Megatron-Core's get_batch_on_this_cp_rank lays them out."""
+    half = local_len // 2
+    first = torch.arange(half, device=device) + cp_rank * half
+    second = torch.arange(half, device=device) + (2 * cp_size - 1 - cp_rank) * half
+    return torch.cat([first, second])
+
+
 class SDPACoreAttention(MegatronModule):
     """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient).
 
@@ -94,21 +126,44 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_size = config.context_parallel_size
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        mask = None
+        if self.cp_size > 1:
+            key, value, mask = self._gather_context(query, key, value)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
         out = F.scaled_dot_product_attention(
             q, k, v,
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _gather_context(self, query, key, value):
+        """Context parallelism: every rank's keys and values, with a causal mask over
+        global positions. All-gather attention (memory O(s/CP x s)), not ring attention:
+        exact and simple; TE's ring attention is the fast path where TE exists."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_context_parallel_group()
+        rank, size = ps.get_context_parallel_rank(), self.cp_size
+        local = query.shape[0]
+        keys = _GatherSequence.apply(key, group)  # [cp, s_local, b, groups, dim]
+        values = _GatherSequence.apply(value, group)
+        key_pos = torch.cat([_cp_positions(local, r, size, query.device) for r in range(size)])
+        keys = keys.reshape(size * local, *key.shape[1:])
+        values = values.reshape(size * local, *value.shape[1:])
+        query_pos = _cp_positions(local, rank, size, query.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [s_local, s], True = attend
+        return keys, values, mask
 
 
 class TorchRMSNorm(torch.nn.Module):

@@ -21,15 +21,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3"]
 # name: (GPUs, overrides)
+BENCH_2GPU = ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=12"]
+LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_length=4096",
+             "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=10"]
 CASES = {
     "bench_1b_1gpu": (1, ["+experiment=bench_gpu", "train.steps=12"]),
-    "bench_1b_dp2": (2, ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=12"]),
-    "bench_1b_tp2": (2, ["+experiment=bench_gpu", "cluster=h100_x2", "parallel.tp=2", "train.steps=12"]),
-    "bench_1b_pp2": (2, ["+experiment=bench_gpu", "cluster=h100_x2", "parallel.pp=2", "train.steps=12"]),
-    "llama3_8b_16l_tp2": (2, ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "parallel.tp=2",
-                              "model.num_layers=16", "train.seq_length=4096", "train.micro_batch_size=1",
-                              "train.global_batch_size=8", "train.steps=10", "train.recompute=selective",
-                              "name=llama3_8b_16l_tp2"]),
+    "bench_1b_dp2_overlap": (2, BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]),
+    "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
+    "bench_1b_pp2": (2, BENCH_2GPU + ["parallel.pp=2"]),
+    "bench_1b_pp2_vpp2": (2, BENCH_2GPU + ["parallel.pp=2", "parallel.vpp=2"]),
+    "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"]),
+    "llama3_8b_16l_tp2_sp": (2, LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16",
+                                             "train.recompute=selective", "name=llama3_8b_16l_tp2_sp"]),
+    "llama3_8b_8l_dp2": (2, LLAMA3_8B + ["model.num_layers=8", "engine.overlap_grad_reduce=true",
+                                         "name=llama3_8b_8l_dp2"]),
     "mixtral_4l_ep2": (2, ["model=mixtral_8x7b", "cluster=h100_x2", "zero=stage1", "parallel.ep=2",
                            "model.num_layers=4", "train.seq_length=4096", "train.micro_batch_size=1",
                            "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
@@ -65,6 +70,7 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             last_loss=s["last_loss"],
             memory_max_allocated_gib=last.get("memory_max_allocated_gib"),
             layer_spec=s.get("layer_spec"),
+            placement_verified=s.get("placement_verified"),
             layout=(job_dir / "config.yaml").exists() and _layout(job_dir),
         )
     return row
@@ -72,25 +78,26 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
 
 def _layout(job_dir: Path) -> str:
     doc = json.loads((job_dir / "placement.json").read_text())["layout"]
-    return f"TP={doc['tp']} PP={doc['pp']} DP={doc['dp']} EP={doc['ep']}"
+    extra = (" SP" if doc["sp"] else "") + (f" VPP={doc['vpp']}" if doc["vpp"] else "")
+    return f"TP={doc['tp']} PP={doc['pp']} CP={doc['cp']} DP={doc['dp']} EP={doc['ep']}{extra}"
 
 
 def table(rows: list[dict], card: str) -> str:
     lines = [
         f"GPU: {card}",
         "",
-        "| case | GPUs | layout | tokens/s/GPU | MFU | step s | max alloc GiB | loss first→last | spec |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | GPUs | layout | tokens/s/GPU | MFU | step s | max alloc GiB | loss first→last | spec | placement checked |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) | | | | | | |")
+            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) | | | | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
             f"{r['step_time_s']:.3f} | {r['memory_max_allocated_gib']:.1f} | "
-            f"{r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['layer_spec']} |"
+            f"{r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['layer_spec']} | {r['placement_verified']} |"
         )
     return "\n".join(lines)
 

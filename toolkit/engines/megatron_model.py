@@ -53,8 +53,12 @@ def transformer_config_kwargs(cfg, layout) -> dict:
         # Same initial weights for every TP layout of one seed (initialised whole on the CPU,
         # then split), which is what makes TP=1 and TP=2 runs comparable.
         use_cpu_initialization=on_cpu,
-        # p2p_communication.py:398 synchronises CUDA when both are true.
-        batch_p2p_comm=not on_cpu,
+        # Megatron-LM's choice for the interleaved schedule: overlapped, unbatched p2p.
+        # Measured on 2 x H200: with batched p2p the interleaved run barely learned
+        # (evaluations/results/bench_gpu_20261126-0344.md). On CPU
+        # p2p_communication.py:398 would also synchronise CUDA when batching.
+        batch_p2p_comm=not on_cpu and not layout.vpp,
+        overlap_p2p_comm=bool(layout.vpp),
     )
     if m.num_experts:
         kw.update(

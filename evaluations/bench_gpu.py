@@ -27,6 +27,7 @@ LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_len
 CASES = {
     "bench_1b_1gpu": (1, ["+experiment=bench_gpu", "train.steps=12"]),
     "bench_1b_dp2_overlap": (2, BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]),
+    "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
     "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
     "bench_1b_pp2": (2, BENCH_2GPU + ["parallel.pp=2"]),
     "bench_1b_pp2_vpp2": (2, BENCH_2GPU + ["parallel.pp=2", "parallel.vpp=2"]),

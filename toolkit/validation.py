@@ -198,10 +198,15 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
     if z.offload_optimizer and z.stage == 0:
         out.append("zero.offload_optimizer=true needs zero.stage>=1: there are no partitioned optimizer states to offload.")
     if e == "megatron":
-        if z.stage == 3:
+        if z.stage == 3 and cfg.cluster.device != "cuda":
             out.append(
-                "zero.stage=3 on engine=megatron maps to Megatron-FSDP, which gridwright does not wire yet. "
-                "Fix: zero.stage=1 or 2 (Megatron's distributed optimizer), or engine=deepspeed."
+                "zero.stage=3 on engine=megatron is Megatron-FSDP, which needs CUDA (it places its "
+                "buffers on CUDA devices directly). Fix: zero.stage=1 or 2 on cpu, or engine=deepspeed."
+            )
+        if z.stage == 3 and (cfg.checkpoint.save or cfg.checkpoint.load):
+            out.append(
+                "checkpoints under Megatron-FSDP (zero.stage=3) use another format (fsdp_dtensor) that "
+                "gridwright does not write yet. Fix: zero.stage=1 or 2 for checkpointed runs."
             )
         if z.offload_optimizer or z.offload_params:
             out.append(

@@ -124,15 +124,22 @@ class MegatronTrainer:
         self.spec_name = "transformer_engine" if te else "local+sdpa"
         chunks = build_model_chunks(cfg, self.tcfg, te)
         use_dist_opt = cfg.zero.stage >= 1
+        fsdp = cfg.zero.stage == 3  # Megatron-FSDP: parameters, gradients and optimizer sharded
         e = cfg.engine
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=e.overlap_grad_reduce,
-            overlap_param_gather=e.overlap_param_gather,
+            overlap_grad_reduce=e.overlap_grad_reduce or fsdp,
+            overlap_param_gather=e.overlap_param_gather or fsdp,
             align_param_gather=e.overlap_param_gather and len(chunks) > 1,
             use_distributed_optimizer=use_dist_opt,
             bucket_size=e.bucket_size,
+            use_megatron_fsdp=fsdp,
+            data_parallel_sharding_strategy="optim_grads_params" if fsdp else "no_shard",
         )
+        if fsdp:
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import (
+                FullyShardedDataParallel as DistributedDataParallel,
+            )
         self.model = []
         for i, chunk in enumerate(chunks):
             if not self.on_cpu:
@@ -146,11 +153,11 @@ class MegatronTrainer:
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         # The schedule drives DDP's communication through these hooks (one per chunk).
         single = len(self.model) == 1
-        if e.overlap_grad_reduce:
+        if e.overlap_grad_reduce and not fsdp:
             no_sync = [m.no_sync for m in self.model]
             self.tcfg.no_sync_func = no_sync[0] if single else no_sync
             self.tcfg.grad_sync_func = None if single else [m.start_grad_sync for m in self.model]
-        if e.overlap_param_gather and not single:
+        if e.overlap_param_gather and not single and not fsdp:
             self.tcfg.param_sync_func = [m.start_param_sync for m in self.model]
         opt_config = OptimizerConfig(
             optimizer="adam",
@@ -164,7 +171,7 @@ class MegatronTrainer:
             params_dtype=DTYPES[p.params_dtype],
             clip_grad=t.grad_clip,
             use_distributed_optimizer=use_dist_opt,
-            overlap_param_gather=e.overlap_param_gather,
+            overlap_param_gather=e.overlap_param_gather or fsdp,
             initial_loss_scale=2.0**16 if p.params_dtype == "fp16" else None,
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.model)

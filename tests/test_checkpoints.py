@@ -91,6 +91,8 @@ LAYOUTS = {
     "tp2_distopt": ("tiny_llama", ["+experiment=tiny_llama_tp2", "zero=stage2"]),
     "ep2": ("tiny_mixtral", ["+experiment=tiny_mixtral_cpu"]),
     "cp2": ("tiny_llama", ["parallel.cp=2"]),
+    "moe_tp2_etp2": ("tiny_mixtral", ["model=tiny_mixtral", "parallel.moe_token_dispatcher=allgather", "parallel.tp=2",
+                                      "parallel.sp=true"]),
 }
 
 
@@ -100,7 +102,8 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name):
     1-process run step for step.
 
     Covers TP (with and without SP), PP (1F1B and interleaved), CP, DP with the distributed
-    optimizer and communication overlap, and EP: each must be the same mathematics, and
+    optimizer and communication overlap, EP, and MoE with TP=ETP=2 + SP: each must be the
+    same mathematics, and
     the optimizer state must survive the resharding exactly.
     """
     model, layout = LAYOUTS[name]

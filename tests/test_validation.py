@@ -54,6 +54,8 @@ BROKEN = {
     "warmup_too_long": (["train.steps=2"], ["train.warmup_steps=2 must be below train.steps=2"]),
     "param_gather_without_sharding": (["engine.overlap_param_gather=true"],
                                       ["overlap_param_gather=true needs the distributed optimizer"]),
+    "moe_tp_without_sp": (["model=tiny_mixtral", "parallel.tp=2", "parallel.moe_token_dispatcher=allgather"],
+                          ["needs parallel.sp=true"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }

@@ -66,6 +66,18 @@ class ParallelLayout:
     def nodes(self) -> int:
         return self.world_size // self.gpus_per_node
 
+    def megatron_sizes(self) -> dict:
+        """The degrees under the keyword names Megatron-Core uses in both
+        `initialize_model_parallel` and `TransformerConfig`."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+        )
+
     def describe(self) -> str:
         s = f"TP={self.tp} PP={self.pp}"
         if self.vpp:

@@ -120,6 +120,11 @@ def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
                 f"model.num_experts={m.num_experts} is not divisible by parallel.ep={layout.ep}. "
                 f"Fix: choose an EP among {_divisors(m.num_experts)}."
             )
+        if tp > 1 and not layout.sp:
+            out.append(
+                f"an MoE model with parallel.tp={tp} needs parallel.sp=true (Megatron-Core refuses MoE with "
+                "TP but without sequence parallelism)."
+            )
         if m.moe_router_topk > m.num_experts:
             out.append(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}.")
     elif layout.ep > 1 or layout.etp != layout.tp:

@@ -36,15 +36,7 @@ def init_parallel(cfg, layout: ParallelLayout):
         raise RuntimeError(
             f"torchrun started {dist.get_world_size()} processes but the plan has {layout.world_size}"
         )
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        order=layout.order,
-    )
+    ps.initialize_model_parallel(**layout.megatron_sizes(), order=layout.order)
 
 
 def observed_coordinates() -> dict:

@@ -36,12 +36,7 @@ def transformer_config_kwargs(cfg, layout) -> dict:
         pipeline_dtype=dtype,
         bf16=p.params_dtype == "bf16",
         fp16=p.params_dtype == "fp16",
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **layout.megatron_sizes(),
         sequence_parallel=layout.sp,
         # Fusions below need Apex or TE kernels; the torch paths are used instead.
         bias_activation_fusion=False,

@@ -22,6 +22,7 @@ CITED = [
     ("distributed/distributed_data_parallel.py", "torch.cuda.Stream(device=torch.cuda.current_device())"),
     ("transformer/moe/moe_utils.py", "if te_general_gemm is not None"),
     ("models/common/embeddings/rope_utils.py", "pin_memory=True"),
+    ("tensor_parallel/random.py", "return torch.cuda.random.get_rng_state(device=device)"),
     ("optimizer/distrib_optimizer.py", "dst_tensors = {\"param\": main_param, **optim_state}"),
     ("optimizer/distrib_optimizer.py", "                s[\"step\"] = step\n"),
 ]

@@ -21,6 +21,10 @@ source, a CPU run enters `cpu_compat()`, which:
      (distributed/distributed_data_parallel.py:230 communication stream)
 Bugs that appear without Transformer Engine on any device are fixed in `megatron_fixes`.
 
+3. makes activation recompute save and restore the CPU generator instead of the CUDA one
+   (tensor_parallel/random.py:55 `_get_cuda_rng_state`, :72 `_set_cuda_rng_state`, used by
+   CheckpointFunction for `train.recompute=full`).
+
 RNG: `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)` avoids
 `torch.cuda.get_rng_state` (tensor_parallel/random.py); dropout then draws from the CPU
 generator, without TP decorrelation. The engine calls it that way on CPU.
@@ -90,10 +94,22 @@ class _InertStream:
         return None
 
 
+def _cpu_rng_state(*args, **kwargs):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state, *args, **kwargs):
+    torch.set_rng_state(state)
+
+
 @contextlib.contextmanager
 def cpu_compat():
     """Run Megatron-Core on CPU inside this context (see the module docstring)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
     apply_megatron_fixes()
+    saved_rng = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
+    mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = _cpu_rng_state, _set_cpu_rng_state
     saved = {
         "current_device": torch.cuda.current_device,
         "synchronize": torch.cuda.synchronize,
@@ -110,3 +126,4 @@ def cpu_compat():
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+        mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = saved_rng

@@ -40,6 +40,17 @@ CASES = {
                            "model.num_layers=4", "train.seq_length=4096", "train.micro_batch_size=1",
                            "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
                            "name=mixtral_4l_ep2"]),
+    # Issue 5 scaled to the 4-GPU machines while no 8-GPU machine is lent.
+    "mixtral_8l_ep4": (4, ["model=mixtral_8x7b", "cluster=h100_x4", "zero=stage1", "parallel.ep=4",
+                           "model.num_layers=8", "train.seq_length=4096", "train.micro_batch_size=1",
+                           "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
+                           "name=mixtral_8l_ep4"]),
+    "llama3_8b_tp4_sp": (4, ["model=llama3_8b", "cluster=h100_x4", "zero=stage1", "parallel.tp=4", "parallel.sp=true",
+                             "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=8",
+                             "train.steps=8", "train.recompute=selective", "name=llama3_8b_tp4_sp"]),
+    "llama3_8b_16l_dp4": (4, LLAMA3_8B + ["cluster=h100_x4", "model.num_layers=16", "train.global_batch_size=16",
+                                          "engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true",
+                                          "name=llama3_8b_16l_dp4"]),
 }
 
 

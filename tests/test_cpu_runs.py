@@ -99,3 +99,14 @@ def test_recompute_keeps_the_mathematics_and_clipping_changes_it(run_launch, tmp
     clipped = losses("clipped", "train.grad_clip=0.001")
     assert clipped[:2] == pytest.approx(plain[:2], abs=1e-6)  # step 0 updates with lr 0
     assert abs(clipped[-1] - plain[-1]) > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_sixteen_bit_training(run_launch, tmp_path, precision):
+    """bf16, and fp16 with Megatron-Core's dynamic loss scaling, train on CPU too."""
+    result = run_launch("tracking=off", f"precision={precision}", "zero=stage1", "train.steps=10",
+                        f"job_dir={tmp_path / precision}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(l) for l in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
+    assert sum(r["update_skipped"] for r in rows) <= 3  # fp16 may skip a few while the scale settles

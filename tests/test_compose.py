@@ -5,7 +5,7 @@ from omegaconf.errors import ValidationError
 
 EXPERIMENTS = [
     "tiny_llama_cpu", "tiny_llama_tp2", "tiny_llama_pp2", "tiny_mixtral_cpu",
-    "mixtral_ep8", "llama3_8b", "llama3_70b", "bench_gpu",
+    "mixtral_ep8", "llama3_8b", "llama3_70b", "bench_gpu", "llama3_8b_tp8", "llama3_8b_dp8",
 ]
 
 

@@ -52,3 +52,14 @@ def test_large_plan_table_is_compact(run_launch, tmp_path):
     assert "ranks not shown; see placement.csv" in result.stdout
     job = only_job_dir(tmp_path)
     assert len((job / "placement.csv").read_text().splitlines()) == 512 + 1
+
+
+def test_layout_sweep_reports_invalid_points_and_goes_on(run_launch, tmp_path):
+    """`-m` sweeps layouts: an invalid point is reported, the valid ones are planned."""
+    result = run_launch("-m", "parallel.tp=3,2", "launcher=plan")
+    assert result.returncode == 0, result.stderr
+    assert "sweep point 0 ended with exit code 2" in result.stderr
+    assert "parallel.tp=3" in result.stderr
+    assert "TP=2 PP=1 CP=1 DP=1" in result.stdout
+    planned = [p for p in (tmp_path / "jobs").glob("*/*") if (p / "placement.json").exists()]
+    assert len(planned) == 1

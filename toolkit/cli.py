@@ -105,8 +105,14 @@ def main() -> None:
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
         code = run(cfg)
-        if code:
+        if code and HydraConfig.get().mode == RunMode.MULTIRUN:
+            # A sweep (-m) reports an invalid or failed point and goes on to the next.
+            print(f"sweep point {HydraConfig.get().job.num} ended with exit code {code}", file=sys.stderr)
+        elif code:
             sys.exit(code)
 
     _main()

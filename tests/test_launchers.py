@@ -54,9 +54,11 @@ def test_large_plan_table_is_compact(run_launch, tmp_path):
     assert len((job / "placement.csv").read_text().splitlines()) == 512 + 1
 
 
-def test_layout_sweep_reports_invalid_points_and_goes_on(run_launch, tmp_path):
+def test_layout_sweep_reports_invalid_points_and_goes_on(tmp_path):
     """`-m` sweeps layouts: an invalid point is reported, the valid ones are planned."""
-    result = run_launch("-m", "parallel.tp=3,2", "launcher=plan")
+    from conftest import launch
+
+    result = launch(["-m", "parallel.tp=3,2", "launcher=plan", f"job_root={tmp_path / 'jobs'}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "sweep point 0 ended with exit code 2" in result.stderr
     assert "parallel.tp=3" in result.stderr

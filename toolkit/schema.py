@@ -30,6 +30,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     num_experts: int = 0  # 0 means dense
     moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 1e-2  # load-balancing loss weight
 
 
 @dataclass

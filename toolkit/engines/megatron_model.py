@@ -62,7 +62,7 @@ def transformer_config_kwargs(cfg, layout) -> dict:
             moe_ffn_hidden_size=m.ffn_hidden_size,
             moe_token_dispatcher_type=cfg.parallel.moe_token_dispatcher,
             moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=1e-2,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_grouped_gemm=False,
         )
     if t.recompute == "selective":

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Checkpoint conversion between Hugging Face and Megatron-Core (issue #4; not written yet)."""

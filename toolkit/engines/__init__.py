@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Training engines: Megatron-Core (megatron_*) and DeepSpeed (deepspeed_engine)."""

@@ -1,6 +1,5 @@
 """Megatron-Core checkpoints: exact resume after SIGKILL, and resharding onto other layouts."""
 import json
-import os
 import subprocess
 import sys
 import time

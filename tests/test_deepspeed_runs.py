@@ -2,7 +2,6 @@
 import json
 
 import pytest
-from conftest import only_job_dir
 
 
 def run(run_launch, tmp_path, stage, name):

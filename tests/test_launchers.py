@@ -39,7 +39,7 @@ def test_slurm_script(run_launch, tmp_path):
     script = (job / "job.sbatch").read_text()
     for text in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --account=ml", "export NCCL_NVLS_ENABLE=0", "export TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
-                 "export NVSHMEM_DISABLE_NVLS=1", "--node_rank=$SLURM_NODEID", f"placement.json",
+                 "export NVSHMEM_DISABLE_NVLS=1", "--node_rank=$SLURM_NODEID", "placement.json",
                  f"-m gridwright.worker --job-dir {job}", "scontrol show hostnames"):
         assert text in script, text
     assert subprocess.run(["bash", "-n", str(job / "job.sbatch")]).returncode == 0

@@ -3,10 +3,23 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 
 import torch
 
 from .model_math import hardware_flops_per_token, model_flops_per_token
+
+
+def timed_step(train_step, step: int, on_cuda: bool) -> dict:
+    """Run one training step and add its wall time (after the GPU has finished) as step_time_s."""
+    if on_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    metrics = train_step(step)
+    if on_cuda:
+        torch.cuda.synchronize()
+    metrics["step_time_s"] = time.perf_counter() - start
+    return metrics
 
 
 class StepMetrics:

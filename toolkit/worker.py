@@ -51,9 +51,10 @@ class Reporter:
 
     def on_step(self, step: int, raw: dict) -> None:
         m = self.metrics.derive(raw)
-        self.history.append({"step": step, **m})
+        record = {"step": step, **m}
+        self.history.append(record)
         with open(self.job_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps({"step": step, **m}) + "\n")
+            f.write(json.dumps(record) + "\n")
         if self.mlflow is not None:
             self.mlflow.log(step, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
@@ -101,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         problems = placement_mismatches(planned, observed)
         if problems:
             raise RuntimeError("the placement that ran differs from the plan:\n" + "\n".join(problems))
-        state["params_on_rank"] = trainer.parameter_count()
         state["spec"] = trainer.spec_name
         if trainer.is_logging_rank:
             state["reporter"] = Reporter(cfg, job_dir, layout)
@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         from .engines.megatron_engine import run_training
     else:
         from .engines.deepspeed_engine import run_training
-    if cfg.engine.name == "megatron":
-        run_training(cfg, layout, on_step, on_start, job_dir=job_dir)
-    else:
-        run_training(cfg, layout, on_step, on_start)
+    run_training(cfg, layout, on_step, on_start, job_dir=job_dir)
     if "reporter" in state:
         state["reporter"].finish({"layer_spec": state["spec"], "placement_verified": True})
     return 0

@@ -7,14 +7,14 @@ data stream, loss definition and metrics are the Megatron engine's, so runs comp
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import synthetic_data
+from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
+from ..step_metrics import timed_step
 
 
 def hf_config(model):
@@ -101,10 +101,8 @@ class DeepSpeedTrainer:
             model=model, optimizer=optimizer, config=ds_cfg, model_parameters=model.parameters()
         )
         self.num_micro = ds_cfg["gradient_accumulation_steps"]
+        self.data = SyntheticSource(cfg)
         self.is_logging_rank = dist.get_rank() == 0
-
-    def parameter_count(self) -> int:
-        return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters())
 
     def observed_coordinates(self) -> dict:
         """Pure data parallelism: every other dimension is trivially this rank alone."""
@@ -115,15 +113,11 @@ class DeepSpeedTrainer:
         return {"rank": r, "tp": 0, "pp": 0, "dp": r, "cp": 0, "ep": 0, "etp": 0, "edp": r, "groups": groups}
 
     def train_step(self, step: int) -> dict:
-        t = self.cfg.train
         lr = _lr_at(self.cfg, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros(1, device=self.device)
-        for batch in synthetic_data.micro_batches(
-            step, dist.get_rank(), self.layout.dp, self.num_micro, t.micro_batch_size,
-            t.seq_length, self.cfg.model.vocab_size, t.seed, self.device,
-        ):
+        for batch in self.data.batches("train", step, dist.get_rank(), self.layout.dp, self.num_micro, self.device):
             logits = self.engine(input_ids=batch["tokens"]).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
             self.engine.backward(loss)
@@ -138,19 +132,15 @@ class DeepSpeedTrainer:
                 "update_skipped": 0.0}
 
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None) -> None:
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None) -> None:
+    """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
+    (`job_dir` is unused: synthetic data needs no cache; kept for one engine interface.)"""
     trainer = DeepSpeedTrainer(cfg, layout)
     if on_start is not None:
         on_start(trainer)
     on_cuda = cfg.cluster.device == "cuda"
     for step in range(cfg.train.steps):
-        if on_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        metrics = trainer.train_step(step)
-        if on_cuda:
-            torch.cuda.synchronize()
-        metrics["step_time_s"] = time.perf_counter() - start
+        metrics = timed_step(trainer.train_step, step, on_cuda)
         if trainer.is_logging_rank:
             on_step(step, metrics)
     dist.barrier()

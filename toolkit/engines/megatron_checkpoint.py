@@ -134,10 +134,11 @@ def _match_optimizer_structure(loaded: dict, target: dict, path: Path) -> dict:
     Tensor states are keyed by parameter and load into either structure; only the
     common part (param groups, step count) follows the saving run's structure.
     """
-    chained_target = bool(target) and all(isinstance(k, int) for k in target)
-    extra = [k for k in loaded if not isinstance(k, int)]  # common state of a one-optimizer save
-    source_chained = not extra
-    if chained_target == source_chained or (not chained_target and not any(isinstance(k, int) for k in loaded)):
+    def chained(d: dict) -> bool:  # a chained optimizer's state is keyed 0, 1, ...
+        return bool(d) and all(isinstance(k, int) for k in d)
+
+    chained_target = chained(target)
+    if chained_target == chained(loaded):
         return loaded
     if not chained_target or "param_groups" not in loaded:
         raise CheckpointError(

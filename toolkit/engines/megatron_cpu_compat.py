@@ -39,7 +39,6 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .megatron_fixes import apply_megatron_fixes
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -107,7 +106,6 @@ def cpu_compat():
     """Run Megatron-Core on CPU inside this context (see the module docstring)."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    apply_megatron_fixes()
     saved_rng = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
     mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state = _cpu_rng_state, _set_cpu_rng_state
     saved = {

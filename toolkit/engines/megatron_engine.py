@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from functools import partial
 
 import torch
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from ..data_source import make_source
 from ..layout import ParallelLayout
+from ..step_metrics import timed_step
 from ..validation import transformer_engine_available
 from . import megatron_checkpoint
 from .megatron_cpu_compat import cpu_compat
@@ -197,10 +197,6 @@ class MegatronTrainer:
     def observed_coordinates(self) -> dict:
         return observed_coordinates()
 
-    def parameter_count(self) -> int:
-        """Parameters held by this rank (sharded counts, not the model total)."""
-        return sum(p.numel() for m in self.model for p in m.parameters())
-
     def _run_schedule(self, split: str, index: int, forward_only: bool) -> list:
         """Megatron-Core's pipeline schedule over one global batch of `split`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -279,13 +275,7 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         if on_start is not None:
             on_start(trainer)
         for step in range(first_step, cfg.train.steps):
-            if not on_cpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            metrics = trainer.train_step(step)
-            if not on_cpu:
-                torch.cuda.synchronize()
-            metrics["step_time_s"] = time.perf_counter() - start
+            metrics = timed_step(trainer.train_step, step, on_cuda=not on_cpu)
             done = step + 1
             every = cfg.data.eval_interval
             if every and (done % every == 0 or done == cfg.train.steps):

@@ -54,7 +54,8 @@ def param_counts(model) -> ParamCounts:
         embedding=V * h,
         output=0 if model.tie_embeddings else V * h,
         attention_per_layer=attn,
-        norms_per_layer=2 * h,
+        # QKV biases (Qwen2) sit with the norms: parameters that are not matmul FLOPs.
+        norms_per_layer=2 * h + (heads + 2 * groups) * head_dim * bool(getattr(model, "qkv_bias", False)),
         dense_mlp_per_layer=0 if moe else mlp_one,
         router_per_layer=h * model.num_experts if moe else 0,
         expert_per_layer=model.num_experts * mlp_one if moe else 0,

@@ -17,7 +17,7 @@ class ModelConfig:
     """Shape of a Llama-style decoder (RMSNorm, SwiGLU, rotary, GQA), optionally MoE."""
 
     name: str = MISSING
-    family: str = "llama"  # llama | mixtral
+    family: str = "llama"  # llama | mistral | qwen2 | mixtral (Hugging Face model_type)
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
@@ -28,6 +28,10 @@ class ModelConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on the query/key/value projections (Qwen2)
+    # Llama-3.x rope scaling factor (low/high frequency factors 1 and 4, original context
+    # 8192: the values Megatron-Core 0.16.1 fixes); None means no scaling.
+    rope_scaling_factor: Optional[float] = None
     num_experts: int = 0  # 0 means dense
     moe_router_topk: int = 2
     moe_aux_loss_coeff: float = 1e-2  # load-balancing loss weight

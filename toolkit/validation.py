@@ -21,6 +21,7 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("e4m3", "hybrid")
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 class ConfigError(ValueError):
@@ -55,6 +56,7 @@ def check_choices(cfg) -> list[str]:
         ("precision.fp8_format", cfg.precision.fp8_format, FP8_FORMATS),
         ("train.recompute", cfg.train.recompute, RECOMPUTE),
         ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
+        ("model.family", cfg.model.family, FAMILIES),
     ):
         if value not in allowed:
             out.append(f"{path}='{value}' is not one of {', '.join(allowed)}.")
@@ -232,6 +234,12 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
                 )
         if layout.sp:
             out.append("engine=deepspeed has no sequence parallelism here; use engine=megatron.")
+        m = cfg.model
+        if m.qkv_bias or m.rope_scaling_factor is not None or m.family in ("mistral", "qwen2"):
+            out.append(
+                "engine=deepspeed builds a plain Hugging Face Llama or Mixtral; QKV biases, rope scaling and "
+                f"the {m.family} family need engine=megatron."
+            )
     if cfg.cluster.device == "cpu" and cfg.parallel.moe_token_dispatcher == "alltoall" and cfg.model.num_experts:
         out.append(
             "parallel.moe_token_dispatcher=alltoall creates a CUDA stream in Megatron-Core 0.16.1 and cannot "
@@ -310,7 +318,7 @@ def check_checkpoint(cfg) -> list[str]:
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
     if ck.load and cfg.launcher.name == "local":
-        problem = describe_problem(ck.load)
+        problem = describe_problem(ck.load, cfg.model)
         if problem:
             out.append(problem)
     if ck.save and (Path(ck.save) / LATEST).exists():

@@ -52,16 +52,42 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return path
 
 
-def describe_problem(root: str | os.PathLike) -> str | None:
-    """Why `root` cannot be resumed from (used by validation before anything starts)."""
+def read_common(path: str | os.PathLike) -> dict:
+    """The common (non-sharded) state of one checkpoint directory: step, model, layout..."""
+    return torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=False)["common"]
+
+
+def model_differences(recorded: dict, model_cfg) -> list[str]:
+    """Fields of the model config that differ from the one a checkpoint was written for."""
+    out = []
+    for key, value in recorded.items():
+        if key == "name" or key not in model_cfg:
+            continue
+        if model_cfg[key] != value:
+            out.append(f"model.{key}={model_cfg[key]} (checkpoint: {value})")
+    return out
+
+
+def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
+    """Why `root` cannot be loaded (used by validation before anything starts)."""
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
     try:
-        if latest_checkpoint(root) is None:
+        path = latest_checkpoint(root)
+        if path is None:
             return f"checkpoint.load={root} has no '{LATEST}' file: it holds no complete checkpoint."
+        common = read_common(path)
     except CheckpointError as e:
         return str(e)
+    except Exception as e:  # a truncated or foreign common.pt
+        return f"checkpoint.load={root}: cannot read {path}/common.pt ({e})."
+    recorded = common.get("model_config")
+    if model_cfg is not None and recorded:
+        diffs = model_differences(recorded, model_cfg)
+        if diffs:
+            hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
+            return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
     return None
 
 
@@ -159,6 +185,51 @@ def _match_optimizer_structure(loaded: dict, target: dict, path: Path) -> dict:
     return out
 
 
+def _model_config_dict(model_cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(model_cfg, resolve=True)
+
+
+def model_weights_state(chunks: list, checkpoint_dir: str | os.PathLike) -> dict:
+    """The sharded state of bare GPTModel chunks, fitted to what `checkpoint_dir` holds.
+
+    Linear layers carry `_extra_state` objects (TE's FP8 metadata; None in the local spec).
+    They are no weights: a checkpoint written by another spec or by the converter may lack
+    them, so weights-only loads drop those the checkpoint does not have.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+
+    def keep(v) -> bool:
+        return not (isinstance(v, ShardedObject) and v.key.endswith("_extra_state") and v.unique_key not in stored)
+
+    state = {}
+    for i, chunk in enumerate(chunks):
+        state[f"model{i}"] = {k: v for k, v in chunk.sharded_state_dict().items() if keep(v)}
+    return state
+
+
+def load_model_weights(chunks: list, checkpoint_dir: str | os.PathLike) -> None:
+    """Load model weights only into bare GPTModel chunks (converted checkpoints, evaluation)."""
+    from megatron.core import dist_checkpointing
+
+    state = model_weights_state(chunks, checkpoint_dir)
+    loaded = dist_checkpointing.load(state, str(checkpoint_dir))
+    for i, chunk in enumerate(chunks):
+        _load_weights_into(chunk, loaded[f"model{i}"], checkpoint_dir)
+
+
+def _load_weights_into(module, state: dict, path) -> None:
+    """load_state_dict that tolerates absent `_extra_state` entries and nothing else."""
+    result = module.load_state_dict(state, strict=False)
+    wrong = [k for k in result.missing_keys + result.unexpected_keys if not k.endswith("_extra_state")]
+    if wrong:
+        raise CheckpointError(f"{path}: weights do not match the model: {', '.join(wrong[:8])}")
+
+
 def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     from megatron.core import dist_checkpointing
@@ -179,6 +250,7 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
         "layout": _layout_signature(trainer.layout),
         "seed": trainer.cfg.train.seed,
         "model": trainer.cfg.model.name,
+        "model_config": _model_config_dict(trainer.cfg.model),
         "distributed_optimizer": trainer.cfg.zero.stage >= 1,
     }
     dist_checkpointing.save(state, str(partial))
@@ -200,10 +272,17 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False) -> int:
     if path is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
-    if common["model"] != trainer.cfg.model.name:
+    recorded = common.get("model_config")
+    if recorded:  # shape, not name, decides (a converted model may be renamed)
+        diffs = model_differences(recorded, trainer.cfg.model)
+        if diffs:
+            raise CheckpointError(f"{path} was written for another model shape: {', '.join(diffs)}")
+    elif common["model"] != trainer.cfg.model.name:
         raise CheckpointError(
             f"{path} holds model '{common['model']}', but this run builds '{trainer.cfg.model.name}'."
         )
+    # A converted checkpoint holds weights only: training starts from it at step 0.
+    weights_only = weights_only or common.get("weights_only", False)
     same_layout = common["layout"] == _layout_signature(trainer.layout)
     distributed = trainer.cfg.zero.stage >= 1
     if not weights_only and common.get("distributed_optimizer", distributed) != distributed:
@@ -214,13 +293,13 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False) -> int:
             "or set checkpoint.weights_only=true to start a fresh optimizer."
         )
     if weights_only:
-        state = {f"model{i}": m.module.sharded_state_dict() for i, m in enumerate(trainer.model)}
+        state = model_weights_state([m.module for m in trainer.model], path)
     else:
         state = _sharded_state(trainer, is_loading=True, with_rng=same_layout)
     target_optimizer = None if weights_only else state["optimizer"]
     loaded = dist_checkpointing.load(state, str(path))
     for i, m in enumerate(trainer.model):
-        m.module.load_state_dict(loaded[f"model{i}"])
+        _load_weights_into(m.module, loaded[f"model{i}"], path)
     if weights_only:
         return 0
     trainer.optimizer.load_state_dict(_match_optimizer_structure(loaded["optimizer"], target_optimizer, path))

@@ -28,7 +28,7 @@ def transformer_config_kwargs(cfg, layout) -> dict:
         activation_func=F.silu,
         gated_linear_unit=True,  # SwiGLU
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=m.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -227,6 +227,8 @@ def build_model_chunks(cfg, tcfg, te_available: bool) -> list:
             share_embeddings_and_output_weights=cfg.model.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(cfg.model.rotary_base),
+            rope_scaling=cfg.model.rope_scaling_factor is not None,
+            rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,
             vp_stage=stage,
         )
         chunks.append(model)

@@ -1,0 +1,381 @@
+"""Checkpoint conversion between Hugging Face and Megatron-Core, both directions.
+
+    python -m gridwright.adapters.convert hf-to-megatron --hf DIR --out DIR [--tp 2 --pp 2 --ep 2] [--verify]
+    python -m gridwright.adapters.convert megatron-to-hf --megatron DIR --out DIR [--verify]
+
+Everything is checked before a byte is written: the architecture (refusals in
+hf_architecture), the target layout (gridwright's own validation rules), and that every
+source tensor is mapped or explicitly accounted for, with the shape the config implies.
+Tensors then stream one at a time into a temporary directory that is renamed into place
+when complete. The output records its source, layout and the toolkit version.
+
+The Megatron-Core checkpoint is layout-independent (tensors are stored with their global
+shapes and Megatron-Core reshards on load), so `--tp/--pp/--vpp/--ep` choose the layout
+that is validated, recorded, and used by `--verify`; a training run may load the same
+checkpoint at any other valid layout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from ..atomic_io import staged_directory
+from . import weight_map as wm
+from .hf_architecture import (
+    UnsupportedModel,
+    default_model_name,
+    hf_config_from_model,
+    model_config_from_hf,
+    read_hf_config,
+)
+from .hf_files import SIDE_FILES, BadCheckpoint, SafetensorsSource, ShardedSafetensorsWriter
+from .megatron_files import CheckpointReader, Slice, write_checkpoint
+
+ITERATION = "iter_0000000"  # what megatron_checkpoint.iteration_name(0) gives
+RECORD = "conversion.json"
+HF_SOURCE = "hf_source"  # config.json and tokenizer files of the source, kept for the way back
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+EXIT_INVALID = 2
+
+
+class ConversionError(ValueError):
+    """Bad input; raised before anything is written."""
+
+
+def toolkit_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gridwright")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
+    """Validate the target layout with the same rules as `launch.py`; returns its record."""
+    from omegaconf import OmegaConf
+
+    from ..schema import RunConfig
+    from ..validation import ConfigError, validate
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.model = OmegaConf.merge(cfg.model, model)
+    world = tp * pp * ep
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = tp, pp, vpp, ep
+    cfg.parallel.sp = tp > 1  # Megatron-Core needs SP for MoE with TP; harmless for dense
+    cfg.parallel.moe_token_dispatcher = "allgather"
+    cfg.cluster.gpus_per_node, cfg.cluster.nvlink_domain_size = world, world
+    cfg.launcher.name, cfg.tracking.enabled = "plan", False
+    cfg.train.seq_length = 8 * tp
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, pp * ep
+    cfg.train.steps, cfg.train.warmup_steps = 2, 0
+    try:
+        validate(cfg, for_launch=False)
+    except ConfigError as e:
+        raise ConversionError(f"target layout TP={tp} PP={pp} VPP={vpp} EP={ep} does not fit the model:\n{e}") from e
+    return {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep}
+
+
+def _progress(total_bytes: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=None, file=sys.stderr)
+
+
+# --- Hugging Face -> Megatron-Core -------------------------------------------------------
+
+
+def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype | None):
+    """Check every source tensor against the map; return (pieces, dtype per key)."""
+    pieces = wm.pieces(model)
+    expected = {name for p in pieces for name in p.hf_names}
+    present = src.names()
+    derived = {n for n in present if n.endswith(wm.HF_DERIVED_SUFFIXES)}
+    tied_head = {"lm_head.weight"} & present if model["tie_embeddings"] else set()
+    missing = sorted(expected - present)
+    unexpected = sorted(present - expected - derived - tied_head)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:6])}")
+    if unexpected:
+        problems.append(f"unexpected tensors, not mapped ({len(unexpected)}): {', '.join(unexpected[:6])}")
+    key_dtypes: dict[str, str] = {}
+    for p in pieces:
+        for name, shape in zip(p.hf_names, wm.hf_shapes(p, model)):
+            if name not in present:
+                continue
+            got_dtype, got_shape = src.meta[name]
+            if got_shape != shape:
+                problems.append(f"{name} has shape {list(got_shape)}, config.json implies {list(shape)}")
+            if key_dtypes.setdefault(p.key, got_dtype) != got_dtype:
+                problems.append(f"{name} is {got_dtype} but other tensors of {p.key} are {key_dtypes[p.key]}")
+    if tied_head and not problems:
+        if not torch.equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
+            problems.append("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
+    if problems:
+        raise ConversionError("the source does not match its config.json:\n  - " + "\n  - ".join(problems))
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    dtypes = {}
+    for key, name in key_dtypes.items():
+        if name not in names:
+            raise ConversionError(f"{key}: dtype {name} is not one of {', '.join(names)}")
+        dtypes[key] = dtype or names[name]
+    return pieces, dtypes
+
+
+def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype=None, overwrite=False) -> dict:
+    """Convert; returns the record written to `out_dir/conversion.json`."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf = read_hf_config(hf_dir)
+    model = model_config_from_hf(hf, name or default_model_name(hf_dir))
+    layout = check_layout(model, tp, pp, vpp, ep)
+    src = SafetensorsSource(hf_dir)
+    pieces, dtypes = plan_hf_to_megatron(src, model, dtype)
+    shapes = wm.global_shapes(model)
+    slices = [
+        Slice(p.key, p.index + (0,) * len(p.shape), (1,) * len(p.index) + p.shape, shapes[p.key], dtypes[p.key])
+        for p in pieces
+    ]
+    start = time.perf_counter()
+    with staged_directory(out_dir, overwrite) as tmp, _progress(src.total_bytes(), "hf->megatron") as bar:
+
+        def produce(i: int) -> torch.Tensor:
+            p, s = pieces[i], slices[i]
+            t = wm.to_megatron(p, [src.get(n) for n in p.hf_names], model)
+            bar.update(t.numel() * t.element_size())
+            return t.reshape(s.sizes).to(s.dtype)
+
+        record = {
+            "direction": "hf-to-megatron",
+            "source": str(hf_dir.resolve()),
+            "source_architecture": hf.get("architectures"),
+            "layout": layout,
+            "model_config": model,
+            "dtype": sorted({DTYPE_NAMES[d] for d in dtypes.values()}),
+            "toolkit_version": toolkit_version(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tensors": len(pieces),
+        }
+        hint = (f"python launch.py hydra.searchpath=[file://{out_dir.resolve()}] model={model['name']} "
+                f"checkpoint.load={out_dir.resolve()}")
+        common = {
+            "step": 0, "weights_only": True, "model": model["name"], "model_config": model,
+            "layout": layout, "seed": None, "scheduler": None, "distributed_optimizer": False,
+            "converted_from": {k: record[k] for k in ("source", "source_architecture", "toolkit_version")},
+            "model_yaml_hint": hint,
+        }
+        (tmp / ITERATION).mkdir()
+        write_checkpoint(tmp / ITERATION, slices, produce, common)
+        (tmp / "latest").write_text(ITERATION + "\n")
+        (tmp / HF_SOURCE).mkdir()
+        shutil.copy2(hf_dir / "config.json", tmp / HF_SOURCE / "config.json")
+        for f in SIDE_FILES:
+            if (hf_dir / f).is_file():
+                shutil.copy2(hf_dir / f, tmp / HF_SOURCE / f)
+        (tmp / "model").mkdir()
+        (tmp / "model" / f"{model['name']}.yaml").write_text(_model_yaml(model))
+        record["seconds"] = round(time.perf_counter() - start, 3)
+        record["train_with"] = hint
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _model_yaml(model: dict) -> str:
+    from omegaconf import OmegaConf
+
+    return "# Written by gridwright.adapters.convert: the model this checkpoint holds.\n" + OmegaConf.to_yaml(model)
+
+
+# --- Megatron-Core -> Hugging Face -------------------------------------------------------
+
+
+def find_checkpoint(path: Path) -> tuple[Path, Path]:
+    """(root, iteration directory) from either a checkpoint root (with `latest`) or one iteration."""
+    if (path / "metadata.json").is_file():
+        return path.parent, path
+    from ..engines.megatron_checkpoint import CheckpointError, latest_checkpoint
+
+    try:
+        it = latest_checkpoint(path) if path.is_dir() else None
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from e
+    if it is None:
+        raise ConversionError(f"{path} is not a Megatron-Core checkpoint (no metadata.json and no 'latest').")
+    return path, it
+
+
+def _model_from_yaml(path: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return loaded.get("model", loaded)  # a job's config.yaml or a model group file
+
+
+def plan_megatron_to_hf(reader: CheckpointReader, model: dict) -> list:
+    """Check every checkpoint tensor against the map; return the pieces."""
+    shapes = wm.global_shapes(model)
+    problems = []
+    for key, shape in shapes.items():
+        if key not in reader.tensors:
+            problems.append(f"missing tensor {key}")
+        elif reader.shape(key) != shape:
+            problems.append(f"{key} has shape {list(reader.shape(key))}, the model config implies {list(shape)}")
+    unexpected = [k for k in reader.tensors if k not in shapes and not any(m in k for m in wm.MEGATRON_NOT_WEIGHTS)]
+    if unexpected:
+        problems.append(f"unexpected tensors, not mapped: {', '.join(sorted(unexpected)[:6])}")
+    if problems:
+        raise ConversionError(f"{reader.dir} does not match its model config:\n  - " + "\n  - ".join(problems))
+    return wm.pieces(model)
+
+
+def _hf_config(root: Path, model: dict, dtype: torch.dtype) -> dict:
+    """The source's own config.json when this checkpoint came from Hugging Face and still has
+    its shape; else one written by transformers' config classes."""
+    kept = root / HF_SOURCE / "config.json"
+    if kept.is_file():
+        original = json.loads(kept.read_text())
+        try:
+            same = {k: v for k, v in model_config_from_hf(original, model["name"]).items()} == model
+        except UnsupportedModel:
+            same = False
+        if same:
+            return original
+    return hf_config_from_model(model, DTYPE_NAMES[dtype])
+
+
+def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwrite=False,
+                   max_shard_bytes=2 * 1024**3) -> dict:
+    """Convert; returns the record written to `out_dir/conversion.json`."""
+    root, it = find_checkpoint(Path(megatron_dir))
+    out_dir = Path(out_dir)
+    reader = CheckpointReader(it)
+    model = _model_from_yaml(Path(model_config)) if model_config else reader.common.get("model_config")
+    if not model:
+        raise ConversionError(
+            f"{it} does not record its model config (saved before gridwright recorded it). "
+            "Fix: pass --model-config with the training job's config.yaml or a conf/model file."
+        )
+    pieces = plan_megatron_to_hf(reader, model)
+    out_dtype = dtype or reader.dtype(wm.EMBEDDING)
+    hf_config = _hf_config(root, model, out_dtype)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; pass --overwrite to replace it.")
+    total = sum(p.numel for p in pieces) * torch.tensor([], dtype=out_dtype).element_size()
+    start = time.perf_counter()
+    with staged_directory(out_dir, overwrite) as tmp, _progress(total, "megatron->hf") as bar:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        shapes = wm.global_shapes(model)
+        for group in _by_layer(pieces):
+            requests = [
+                Slice(p.key, p.index + (0,) * len(p.shape), (1,) * len(p.index) + p.shape, shapes[p.key],
+                      reader.dtype(p.key))
+                for p in group
+            ]
+            for p, t in zip(group, reader.read(requests)):
+                for name, part in zip(p.hf_names, wm.to_hf(p, t.reshape(p.shape), model)):
+                    writer.add(name, part.to(out_dtype))
+                bar.update(p.numel * torch.tensor([], dtype=out_dtype).element_size())
+        writer.finish()
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        for f in SIDE_FILES:
+            if (root / HF_SOURCE / f).is_file():
+                shutil.copy2(root / HF_SOURCE / f, tmp / f)
+        record = {
+            "direction": "megatron-to-hf",
+            "source": str(it.resolve()),
+            "source_layout": reader.common.get("layout"),
+            "source_step": reader.common.get("step"),
+            "model_config": model,
+            "dtype": DTYPE_NAMES[out_dtype],
+            "toolkit_version": toolkit_version(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "tensors": len(pieces),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _by_layer(pieces: list) -> list[list]:
+    """Consecutive pieces of one layer (or one global tensor) read together: one DCP read each."""
+    groups, current, last = [], [], object()
+    for p in pieces:
+        tag = p.index[:1]
+        if current and tag != last:
+            groups.append(current)
+            current = []
+        current.append(p)
+        last = tag
+    return groups + ([current] if current else [])
+
+
+# --- command line ------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m gridwright.adapters.convert", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron-Core distributed checkpoint")
+    a.add_argument("--hf", required=True, help="folder with config.json and (sharded) safetensors")
+    a.add_argument("--name", help="model name recorded in the checkpoint (default: the folder's name)")
+    for opt in ("--tp", "--pp", "--ep"):
+        a.add_argument(opt, type=int, default=1, help=f"target {opt[2:].upper()} (validated, recorded, verified)")
+    a.add_argument("--vpp", type=int, default=None, help="target virtual pipeline stages per rank")
+    b = sub.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> Hugging Face folder")
+    b.add_argument("--megatron", required=True, help="checkpoint root (with 'latest') or one iter_N directory")
+    b.add_argument("--model-config", help="model config YAML (a job's config.yaml or conf/model file), for "
+                   "checkpoints that do not record theirs")
+    b.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file (bounds memory)")
+    for p in (a, b):
+        p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+        p.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep the source's)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing output (atomically)")
+        p.add_argument("--verify", action="store_true", help="compare HF and Megatron-Core logits afterwards")
+        p.add_argument("--tolerance", type=float, default=1e-4, help="--verify: largest allowed |logit diff|")
+    b.add_argument("--tp", type=int, default=1, help="--verify: layout to load the Megatron-Core side at")
+    b.add_argument("--pp", type=int, default=1)
+    b.add_argument("--ep", type=int, default=1)
+    b.add_argument("--vpp", type=int, default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    try:
+        if args.direction == "hf-to-megatron":
+            record = hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.name, dtype,
+                                    args.overwrite)
+            hf_dir, megatron_dir = Path(args.hf), Path(args.out)
+        else:
+            record = megatron_to_hf(args.megatron, args.out, args.model_config, dtype, args.overwrite,
+                                    int(args.max_shard_gib * 1024**3))
+            hf_dir, megatron_dir = Path(args.out), Path(args.megatron)
+    except (ConversionError, UnsupportedModel, BadCheckpoint, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"wrote {args.out}: {record['tensors']} tensors in {record['seconds']} s")
+    if record.get("train_with"):
+        print(f"train from it: {record['train_with']}")
+    if args.verify:
+        from .verify_logits import compare_logits
+
+        result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+        ok = result["max_abs_diff"] <= args.tolerance
+        print(f"verify: max |logit diff| {result['max_abs_diff']:.3e} at TP={args.tp} PP={args.pp} EP={args.ep} "
+              f"({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g})")
+        if not ok:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""One process of a logits check: `torchrun ... -m gridwright.adapters.logits_worker`.
+
+Builds the Megatron-Core GPTModel exactly as the engine does (same config mapping, same
+layer spec), loads a checkpoint's weights at the requested TP/PP/VPP/EP, runs a forward
+pass through Megatron-Core's pipeline schedule on the given tokens, and the rank holding
+the last stage (TP rank 0, DP rank 0) writes the logits gathered over TP.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _run_config(model: dict, tp: int, pp: int, vpp, ep: int, seq_length: int):
+    from omegaconf import OmegaConf
+
+    from ..schema import RunConfig
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.model = OmegaConf.merge(cfg.model, model)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = tp, pp, vpp, ep
+    cfg.parallel.sp = tp > 1
+    cfg.parallel.moe_token_dispatcher = "allgather"
+    cfg.cluster.gpus_per_node = cfg.cluster.nvlink_domain_size = tp * pp * ep
+    cfg.train.seq_length, cfg.train.micro_batch_size = seq_length, 1
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True, help="an iter_N directory")
+    ap.add_argument("--tokens", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--ep", type=int, default=1)
+    args = ap.parse_args()
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from ..engines.megatron_checkpoint import load_model_weights, read_common
+    from ..engines.megatron_cpu_compat import cpu_compat
+    from ..engines.megatron_engine import init_parallel
+    from ..engines.megatron_fixes import apply_megatron_fixes
+    from ..engines.megatron_model import build_model_chunks, transformer_config_kwargs
+    from ..layout import ParallelLayout
+
+    tokens = torch.load(args.tokens)  # [batch, seq]
+    model = read_common(args.checkpoint)["model_config"]
+    cfg = _run_config(model, args.tp, args.pp, args.vpp, args.ep, tokens.shape[1])
+    layout = ParallelLayout.from_config(cfg)
+    apply_megatron_fixes()
+    with cpu_compat():
+        init_parallel(cfg, layout)
+        model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+        tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
+        chunks = build_model_chunks(cfg, tcfg, te_available=False)
+        load_model_weights(chunks, Path(args.checkpoint))
+        for c in chunks:
+            c.eval()
+
+        def forward_step(data_iterator, chunk):
+            batch = next(data_iterator)
+            positions = torch.arange(batch.shape[1]).unsqueeze(0)
+            return chunk(batch, positions, None), None  # no loss function: the schedule keeps logits
+
+        iterators = [iter(list(tokens.split(1))) for _ in chunks]
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=tokens.shape[0],
+                seq_length=tokens.shape[1],
+                micro_batch_size=1,
+                forward_only=True,
+            )
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            local = torch.cat(outputs, dim=0)  # [batch, seq, vocab / TP]
+            group = ps.get_tensor_model_parallel_group()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+                torch.save(torch.cat(parts, dim=-1), args.out)
+        dist.barrier()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

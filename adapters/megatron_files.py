@@ -1,0 +1,168 @@
+"""Megatron-Core distributed checkpoints (torch_dist format), written and read piece by piece.
+
+The format is torch.distributed.checkpoint (DCP) plus two small files Megatron-Core adds
+(`metadata.json` naming the backend, `common.pt` with non-tensor state). Megatron-Core's
+own `dist_checkpointing.save` needs every tensor in memory at once; for a 16 GB model on
+a 24 GB machine that is not streaming, so the writer here plans DCP items itself and
+produces each tensor only when DCP's file writer asks for it (SavePlanner.resolve_data),
+one at a time. The reader does the reverse with a LoadPlanner that asks for one slice
+(a layer, an expert) at a time. Both use DCP's documented planner protocol; the files
+are what Megatron-Core's loader reads (tested by loading them into GPTModel at several
+layouts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+# What Megatron-Core 0.16.1's dist_checkpointing writes into metadata.json for torch_dist.
+BACKEND_METADATA = {
+    "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+    "common_backend": "torch", "common_backend_version": 1,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One chunk of a global tensor: `offsets`/`sizes` over all its axes."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _LazySavePlanner(SavePlanner):
+    """Plans one DCP item per Slice; `produce(i)` makes slice i's tensor when it is written."""
+
+    def __init__(self, slices: list[Slice], produce: Callable[[int], torch.Tensor]):
+        self.slices, self.produce = slices, produce
+        self._by_index: dict[tuple, int] = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for i, s in enumerate(self.slices):
+            offsets = torch.Size(s.offsets)
+            self._by_index[(s.key, offsets)] = i
+            items.append(WriteItem(
+                index=MetadataIndex(s.key, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(s.sizes)),
+                    properties=TensorProperties(dtype=s.dtype),
+                    size=torch.Size(s.global_shape),
+                ),
+            ))
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans):
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        i = self._by_index[(write_item.index.fqn, write_item.index.offset)]
+        s = self.slices[i]
+        tensor = self.produce(i)
+        if tuple(tensor.shape) != s.sizes or tensor.dtype != s.dtype:
+            raise ValueError(f"{s.key}{list(s.offsets)}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"planned {s.sizes} {s.dtype}")
+        return tensor
+
+
+def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[int], torch.Tensor],
+                     common: dict) -> None:
+    """A complete torch_dist checkpoint in `directory` (which must exist and be empty)."""
+    dcp_save(
+        state_dict={},
+        storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
+        planner=_LazySavePlanner(slices, produce),
+        no_dist=True,
+    )
+    torch.save({"common": common}, directory / "common.pt")
+    (directory / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
+
+
+class _SliceLoadPlanner(LoadPlanner):
+    """Reads the requested slices into fresh tensors (from however the checkpoint was chunked)."""
+
+    def __init__(self, requests: list[Slice]):
+        self.requests = requests
+        self.out = [torch.empty(r.sizes, dtype=r.dtype) for r in requests]
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for i, r in enumerate(self.requests):
+            chunk = ChunkStorageMetadata(offsets=torch.Size(r.offsets), sizes=torch.Size(r.sizes))
+            for item in create_read_items_for_chunk_list(r.key, self.metadata.state_dict_metadata[r.key], [chunk]):
+                # dest_index names the destination; the request number goes in its index field.
+                items.append(dataclasses.replace(item, dest_index=MetadataIndex(r.key, torch.Size(r.offsets), i)))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise RuntimeError("only tensors are read")
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        dest = self.out[read_item.dest_index.index]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, start, length)
+        return dest
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # resolve_tensor returned a view: the data is already in place
+
+
+class CheckpointReader:
+    """The tensors of one torch_dist checkpoint directory, read slice by slice."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.tensors = {
+            k: v for k, v in FileSystemReader(str(self.dir)).read_metadata().state_dict_metadata.items()
+            if hasattr(v, "size")
+        }
+        self.common = torch.load(self.dir / "common.pt", map_location="cpu", weights_only=False)["common"]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def read(self, requests: list[Slice]) -> list[torch.Tensor]:
+        planner = _SliceLoadPlanner(requests)
+        dcp_load(state_dict={}, storage_reader=FileSystemReader(str(self.dir)), planner=planner, no_dist=True)
+        return planner.out

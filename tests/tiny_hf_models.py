@@ -1,0 +1,50 @@
+"""Tiny random Hugging Face models of every architecture the converter supports.
+
+Made locally by `transformers` (no hub access), saved with `save_pretrained`, so the
+files are exactly what a user's folder holds.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _configs():
+    import transformers
+
+    return {
+        "llama": transformers.LlamaConfig(**SHAPE),
+        # Llama 3.x: rope scaling, large theta, tied embeddings (as Llama-3.2-1B).
+        "llama3_tied": transformers.LlamaConfig(
+            **SHAPE, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        ),
+        "mistral": transformers.MistralConfig(**SHAPE, sliding_window=None),
+        "qwen2": transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
+        "mixtral": transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    }
+
+
+ARCHITECTURES = tuple(_configs())
+
+
+def make_tiny_model(kind: str, out: Path, dtype=torch.float32, seed: int = 0, shard_size: str | None = None) -> Path:
+    """Save a randomly initialised model of `kind` to `out`; biases and norms are randomised
+    too, so a mapping that swapped or dropped them would show in the logits."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = _configs()[kind]
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger than the usual 0.02 init, so logits are O(1) and differences show
+        for name, p in model.named_parameters():
+            p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1 if "norm" in name or name.endswith("bias") else 0.08)
+    model.to(dtype)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -97,12 +98,14 @@ class _LazySavePlanner(SavePlanner):
 def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[int], torch.Tensor],
                      common: dict) -> None:
     """A complete torch_dist checkpoint in `directory` (which must exist and be empty)."""
-    dcp_save(
-        state_dict={},
-        storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
-        planner=_LazySavePlanner(slices, produce),
-        no_dist=True,
-    )
+    with warnings.catch_warnings():  # single-process use of DCP is intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_save(
+            state_dict={},
+            storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
+            planner=_LazySavePlanner(slices, produce),
+            no_dist=True,
+        )
     torch.save({"common": common}, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
 
@@ -164,5 +167,7 @@ class CheckpointReader:
 
     def read(self, requests: list[Slice]) -> list[torch.Tensor]:
         planner = _SliceLoadPlanner(requests)
-        dcp_load(state_dict={}, storage_reader=FileSystemReader(str(self.dir)), planner=planner, no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(state_dict={}, storage_reader=FileSystemReader(str(self.dir)), planner=planner, no_dist=True)
         return planner.out

@@ -35,7 +35,7 @@ from .hf_architecture import (
     model_config_from_hf,
     read_hf_config,
 )
-from .hf_files import SIDE_FILES, BadCheckpoint, SafetensorsSource, ShardedSafetensorsWriter
+from .hf_files import SIDE_FILES, BadCheckpoint, SafetensorsSource, StreamingSafetensorsWriter
 from .megatron_files import CheckpointReader, Slice, write_checkpoint
 
 ITERATION = "iter_0000000"  # what megatron_checkpoint.iteration_name(0) gives
@@ -44,6 +44,9 @@ HF_SOURCE = "hf_source"  # config.json and tokenizer files of the source, kept f
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 EXIT_INVALID = 2
+# Large unstacked tensors (embedding, output layer: 1 GB each for Llama-3-8B) move in row
+# blocks of at most this many elements, so no step holds one whole.
+ROW_BLOCK_ELEMENTS = 32 * 1024**2
 
 
 class ConversionError(ValueError):
@@ -82,6 +85,25 @@ def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dic
     except ConfigError as e:
         raise ConversionError(f"target layout TP={tp} PP={pp} VPP={vpp} EP={ep} does not fit the model:\n{e}") from e
     return {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep}
+
+
+def row_blocks(piece: wm.Piece) -> list[tuple[int, int]]:
+    """[(first row, end row)] in which a piece is moved: blocks for large plain copies."""
+    rows = piece.shape[0]
+    if piece.combine != "copy" or piece.index or len(piece.shape) != 2:
+        return [(0, rows)]
+    step = max(1, ROW_BLOCK_ELEMENTS // piece.shape[1])
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _slices(piece: wm.Piece, global_shape: tuple, dtype: torch.dtype) -> list[Slice]:
+    """The checkpoint chunks of one piece: (layer[, expert]) position, then row blocks."""
+    out = []
+    for a, b in row_blocks(piece):
+        offsets = piece.index + (a,) + (0,) * (len(piece.shape) - 1)
+        sizes = (1,) * len(piece.index) + (b - a,) + piece.shape[1:]
+        out.append(Slice(piece.key, offsets, sizes, global_shape, dtype))
+    return out
 
 
 def _progress(total_bytes: int, desc: str):
@@ -140,16 +162,18 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
     src = SafetensorsSource(hf_dir)
     pieces, dtypes = plan_hf_to_megatron(src, model, dtype)
     shapes = wm.global_shapes(model)
-    slices = [
-        Slice(p.key, p.index + (0,) * len(p.shape), (1,) * len(p.index) + p.shape, shapes[p.key], dtypes[p.key])
-        for p in pieces
-    ]
+    work = [(p, s) for p in pieces for s in _slices(p, shapes[p.key], dtypes[p.key])]
+    slices = [s for _, s in work]
     start = time.perf_counter()
     with staged_directory(out_dir, overwrite) as tmp, _progress(src.total_bytes(), "hf->megatron") as bar:
 
         def produce(i: int) -> torch.Tensor:
-            p, s = pieces[i], slices[i]
-            t = wm.to_megatron(p, [src.get(n) for n in p.hf_names], model)
+            p, s = work[i]
+            if row_blocks(p) != [(0, p.shape[0])]:  # one block of a large plain copy
+                first = s.offsets[len(p.index)]
+                t = src.get_rows(p.hf_names[0], first, first + s.sizes[len(p.index)])
+            else:
+                t = wm.to_megatron(p, [src.get(n) for n in p.hf_names], model)
             bar.update(t.numel() * t.element_size())
             return t.reshape(s.sizes).to(s.dtype)
 
@@ -271,18 +295,17 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
     total = sum(p.numel for p in pieces) * torch.tensor([], dtype=out_dtype).element_size()
     start = time.perf_counter()
     with staged_directory(out_dir, overwrite) as tmp, _progress(total, "megatron->hf") as bar:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        entries = [(name, shape, out_dtype) for p in pieces for name, shape in zip(p.hf_names, wm.hf_shapes(p, model))]
+        writer = StreamingSafetensorsWriter(tmp, entries, max_shard_bytes)
         shapes = wm.global_shapes(model)
-        for group in _by_layer(pieces):
-            requests = [
-                Slice(p.key, p.index + (0,) * len(p.shape), (1,) * len(p.index) + p.shape, shapes[p.key],
-                      reader.dtype(p.key))
-                for p in group
-            ]
-            for p, t in zip(group, reader.read(requests)):
-                for name, part in zip(p.hf_names, wm.to_hf(p, t.reshape(p.shape), model)):
+        for p in pieces:  # one DCP read per piece (or row block): memory stays at one slice
+            blocks = _slices(p, shapes[p.key], reader.dtype(p.key))
+            for s in blocks:
+                t = reader.read([s])[0]
+                parts = [t.reshape(s.sizes)] if len(blocks) > 1 else wm.to_hf(p, t.reshape(p.shape), model)
+                for name, part in zip(p.hf_names, parts):
                     writer.add(name, part.to(out_dtype))
-                bar.update(p.numel * torch.tensor([], dtype=out_dtype).element_size())
+                bar.update(t.numel() * torch.tensor([], dtype=out_dtype).element_size())
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         for f in SIDE_FILES:
@@ -302,19 +325,6 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
         }
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
-
-
-def _by_layer(pieces: list) -> list[list]:
-    """Consecutive pieces of one layer (or one global tensor) read together: one DCP read each."""
-    groups, current, last = [], [], object()
-    for p in pieces:
-        tag = p.index[:1]
-        if current and tag != last:
-            groups.append(current)
-            current = []
-        current.append(p)
-        last = tag
-    return groups + ([current] if current else [])
 
 
 # --- command line ------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Hugging Face model folders: sharded safetensors in, sharded safetensors out.
 
 Reading goes through `safetensors.safe_open`, one tensor at a time (memory-mapped, so
-only the tensor asked for is read). Writing uses `safetensors.torch.save_file` per shard:
-a shard is held in memory until written, which is what bounds the peak memory of the
-Megatron -> Hugging Face direction (`max_shard_bytes`).
+only the tensor asked for is read). Writing streams one tensor at a time too (see
+StreamingSafetensorsWriter for why it is not `safetensors.torch.save_file`).
 """
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -55,7 +53,6 @@ class SafetensorsSource:
                     f"{index} and the shard files disagree: listed but absent {sorted(listed - found)[:5]}, "
                     f"present but unlisted {sorted(found - listed)[:5]}."
                 )
-        self._handles: dict[str, object] = {}
 
     def _header(self, fname: str) -> dict:
         path = self.dir / fname
@@ -70,53 +67,98 @@ class SafetensorsSource:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def get(self, name: str) -> torch.Tensor:
-        fname = self.files[name]
-        if fname not in self._handles:
-            self._handles.clear()  # one open file at a time: keeps mapped pages bounded
-            self._handles[fname] = safe_open(str(self.dir / fname), framework="pt")
+    def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Open, read, close: a file stays memory-mapped only while one tensor is read, so
+        the mapped pages of a multi-GB shard never add up in this process's memory."""
+        path = self.dir / self.files[name]
         try:
-            return self._handles[fname].get_tensor(name)
+            with safe_open(str(path), framework="pt") as f:
+                t = f.get_tensor(name) if rows is None else f.get_slice(name)[rows[0]:rows[1]]
+                return t.clone()  # own memory, not pages of the mapping
         except (SafetensorError, OSError, RuntimeError) as e:
-            raise BadCheckpoint(f"{self.dir / fname}: cannot read {name} ({e}).") from e
+            raise BadCheckpoint(f"{path}: cannot read {name} ({e}).") from e
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._read(name)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a tensor, reading only those (embeddings are large)."""
+        return self._read(name, (start, stop))
 
     def total_bytes(self) -> int:
         return sum((self.dir / f).stat().st_size for f in set(self.files.values()))
 
 
-class ShardedSafetensorsWriter:
-    """Writes tensors in order into shards of at most `max_shard_bytes`, then the index."""
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int):
-        self.dir, self.max = out_dir, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.total = 0
+
+class StreamingSafetensorsWriter:
+    """Writes planned tensors one at a time into shards of at most `max_shard_bytes`.
+
+    Hand-written rather than `safetensors.torch.save_file`, which needs a whole shard in
+    memory and then copies it to bytes (two shards' worth at the peak). The safetensors
+    format is small and fixed: an 8-byte little-endian header length, a JSON header of
+    name -> dtype, shape and byte range, then the raw little-endian bytes. Every tensor's
+    name, shape and dtype is known before conversion starts, so each shard's header is
+    written first and the data streams behind it. Files are read back by `safe_open` in
+    the tests (and by transformers).
+    """
+
+    def __init__(self, out_dir: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int):
+        self.dir = out_dir
+        self.shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        size = 0
+        for name, shape, dtype in entries:
+            nbytes = dtype.itemsize
+            for dim in shape:
+                nbytes *= dim
+            if self.shards[-1] and size + nbytes > max_shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append((name, tuple(shape), dtype, nbytes))
+            size += nbytes
+        self.total = sum(e[3] for shard in self.shards for e in shard)
+        self.files = [f"model-{i:05d}-of-{len(self.shards):05d}.safetensors" for i in range(1, len(self.shards) + 1)]
+        self._shard, self._pos, self._rows, self._stream = 0, 0, 0, None
+
+    def _open_next(self) -> None:
+        import json as _json
+
+        entries = self.shards[self._shard]
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype, nbytes in entries:
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = _json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
+        self._stream = open(self.dir / self.files[self._shard], "wb")
+        self._stream.write(len(text).to_bytes(8, "little") + text)
+        self._pos = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total += size
-
-    def _flush(self) -> None:
-        number = len(self.shards) + 1
-        save_file(self.pending, str(self.dir / f"shard-{number:05d}.safetensors"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        """The next planned tensor, whole or as its next block of rows."""
+        if self._stream is None:
+            self._open_next()
+        want, shape, dtype, _ = self.shards[self._shard][self._pos]
+        fits = (name == want and tensor.dtype == dtype and tuple(tensor.shape[1:]) == shape[1:]
+                and self._rows + tensor.shape[0] <= shape[0])
+        if not fits:
+            raise ValueError(f"writer expected {want} {shape} {dtype} (from row {self._rows}), "
+                             f"got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        self._stream.write(tensor.contiguous().view(torch.uint8).numpy().data)  # x86/ARM: little-endian
+        self._rows += tensor.shape[0]
+        if self._rows < shape[0]:
+            return
+        self._pos, self._rows = self._pos + 1, 0
+        if self._pos == len(self.shards[self._shard]):
+            self._stream.close()
+            self._stream, self._shard = None, self._shard + 1
 
     def finish(self) -> None:
-        """Name the shards as transformers does (model-0000i-of-0000n) and write the index."""
-        if self.pending:
-            self._flush()
-        n = len(self.shards)
-        weight_map = {}
-        for i, names in enumerate(self.shards, start=1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            (self.dir / f"shard-{i:05d}.safetensors").rename(self.dir / final)
-            weight_map.update({name: final for name in names})
+        """Check every planned tensor was written, then write the index transformers reads."""
+        if self._shard != len(self.shards) or self._stream is not None:
+            raise ValueError("not every planned tensor was written")
+        weight_map = {e[0]: f for f, shard in zip(self.files, self.shards) for e in shard}
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")

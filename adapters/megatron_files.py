@@ -102,7 +102,10 @@ def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[in
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_save(
             state_dict={},
-            storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
+            # One file per tensor, not one per rank: torch 2.13's FileSystemWriter keeps every
+            # tensor of a file alive until that file is finished (filesystem.py, `tensor_dict`),
+            # so one file per rank would hold the whole checkpoint in memory.
+            storage_writer=FileSystemWriter(str(directory), single_file_per_rank=False, thread_count=1),
             planner=_LazySavePlanner(slices, produce),
             no_dist=True,
         )

@@ -188,7 +188,7 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "tensors": len(pieces),
         }
-        hint = (f"python launch.py hydra.searchpath=[file://{out_dir.resolve()}] model={model['name']} "
+        hint = (f"python launch.py 'hydra.searchpath=[file://{out_dir.resolve()}]' model={model['name']} "
                 f"checkpoint.load={out_dir.resolve()}")
         common = {
             "step": 0, "weights_only": True, "model": model["name"], "model_config": model,

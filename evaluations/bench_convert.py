@@ -154,7 +154,9 @@ def main() -> None:
         (RESULTS / f"bench_convert_{stamp}.md").write_text(
             f"# Checkpoint conversion, Llama-3-8B shape ({args.layers} layers, bf16, random)\n\n"
             f"Command: `{cmd}`  \nMachine: {machine} (CPU only)\n\n{table}\n\n"
-            f"Round trip (HF -> Megatron-Core -> HF) bit-exact: {exact}\n"
+            f"Round trip (HF -> Megatron-Core -> HF) bit-exact: {exact}\n\n"
+            "Each source was written just before it was converted, so its reads may partly come from the "
+            "page cache: MB/s measures the conversion, not a cold disk.\n"
         )
         (RESULTS / f"bench_convert_{stamp}.json").write_text(
             json.dumps({"layers": args.layers, "machine": machine, "rows": rows, "bit_exact": exact}, indent=2) + "\n")

@@ -16,10 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gridwright.adapters.convert import main as convert_main
+from gridwright.adapters.tiny_models import ARCHITECTURES, make_tiny_model
 from gridwright.adapters.verify_logits import compare_logits, hf_logits, sample_tokens
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_hf_models import ARCHITECTURES, make_tiny_model  # noqa: E402
 
 TOLERANCE = 1e-4
 
@@ -129,16 +127,17 @@ def test_exported_folder_loads_with_from_pretrained(models, converted, tmp_path)
     assert torch.equal(hf_logits(back, tokens), hf_logits(models["mixtral"], tokens))
 
 
-def test_trained_tp2_checkpoint_exports_to_hugging_face(run_launch, tmp_path):
-    """A checkpoint the engine saved at TP=2 (tensors stored in halves) exports; the
-    transformers model then computes the logits the Megatron-Core model computes."""
+@pytest.mark.parametrize("experiment,saved", [("tiny_llama_tp2", "tp"), ("tiny_mixtral_cpu", "ep")])
+def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launch, tmp_path):
+    """A checkpoint the engine saved at TP=2 or EP=2 (tensors stored in parts by several
+    ranks) exports; transformers then computes the logits the Megatron-Core model computes."""
     ckpt = tmp_path / "ckpt"
-    r = run_launch("+experiment=tiny_llama_tp2", "train.steps=3", f"checkpoint.save={ckpt}", "tracking=off")
+    r = run_launch(f"+experiment={experiment}", "train.steps=3", f"checkpoint.save={ckpt}", "tracking=off")
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "hf"
     assert convert_main(["megatron-to-hf", "--megatron", str(ckpt), "--out", str(out)]) == 0
     record = json.loads((out / "conversion.json").read_text())
-    assert record["source_layout"]["tp"] == 2 and record["source_step"] == 3
+    assert record["source_layout"][saved] == 2 and record["source_step"] == 3
     r = compare_logits(out, ckpt, tp=1)
     assert r["max_abs_diff"] <= TOLERANCE
 
@@ -149,11 +148,18 @@ def test_engine_trains_from_a_converted_checkpoint(converted, run_launch, tmp_pa
                    "parallel.tp=2", "parallel.sp=true", "train.steps=3", "tracking=off")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step     2 loss" in r.stdout
+    # ... and what it saves from there resumes.
+    ckpt = tmp_path / "ckpt"
+    common = [f"hydra.searchpath=[file://{root}]", "model=qwen2", "tracking=off"]
+    assert run_launch(*common, f"checkpoint.load={root}", f"checkpoint.save={ckpt}", "train.steps=3").returncode == 0
+    r = run_launch(*common, f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}", "train.steps=5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step     3 loss" in r.stdout and "step     0 loss" not in r.stdout
     # The wrong model for that checkpoint is refused before anything starts.
     r = run_launch(f"checkpoint.load={root}", "train.steps=3", "tracking=off")
     assert r.returncode == 2
     assert "written for another model shape" in r.stderr and "model=qwen2" in r.stderr
-    assert len([p for p in (tmp_path / "jobs").glob("*/*") if p.is_dir()]) == 1  # the first run's only
+    assert len([p for p in (tmp_path / "jobs").glob("*/*") if p.is_dir()]) == 3  # none for the refused run
 
 
 # --- bad input: a clear error, exit 2, nothing written --------------------------------

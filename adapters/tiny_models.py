@@ -1,7 +1,11 @@
 """Tiny random Hugging Face models of every architecture the converter supports.
 
-Made locally by `transformers` (no hub access), saved with `save_pretrained`, so the
-files are exactly what a user's folder holds.
+Made locally by `transformers` (no hub access) and saved with `save_pretrained`, so the
+files are exactly what a user's folder holds. The tests and the conversion check
+(evaluations/verify_conversions.py) use them; they also let a user try the converter
+without downloading anything:
+
+    python -m gridwright.adapters.tiny_models mixtral /tmp/tiny_mixtral
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ def _configs():
 
     return {
         "llama": transformers.LlamaConfig(**SHAPE),
+        # Llama 1/2: multi-head attention (as many key/value heads as query heads).
+        "llama2_mha": transformers.LlamaConfig(**dict(SHAPE, num_key_value_heads=4)),
         # Llama 3.x: rope scaling, large theta, tied embeddings (as Llama-3.2-1B).
         "llama3_tied": transformers.LlamaConfig(
             **SHAPE, tie_word_embeddings=True,
@@ -48,3 +54,11 @@ def make_tiny_model(kind: str, out: Path, dtype=torch.float32, seed: int = 0, sh
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out, **kwargs)
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in ARCHITECTURES:
+        sys.exit(f"usage: python -m gridwright.adapters.tiny_models {{{'|'.join(ARCHITECTURES)}}} OUT_DIR")
+    print(make_tiny_model(sys.argv[1], Path(sys.argv[2])))

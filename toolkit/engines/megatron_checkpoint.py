@@ -57,11 +57,16 @@ def read_common(path: str | os.PathLike) -> dict:
     return torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=False)["common"]
 
 
+# Model fields a run may change from its checkpoint's: they shape neither the weights nor
+# the function the weights compute.
+MAY_DIFFER = ("name", "max_position_embeddings", "moe_aux_loss_coeff")
+
+
 def model_differences(recorded: dict, model_cfg) -> list[str]:
     """Fields of the model config that differ from the one a checkpoint was written for."""
     out = []
     for key, value in recorded.items():
-        if key == "name" or key not in model_cfg:
+        if key in MAY_DIFFER or key not in model_cfg:
             continue
         if model_cfg[key] != value:
             out.append(f"model.{key}={model_cfg[key]} (checkpoint: {value})")

@@ -1,13 +1,15 @@
 """Conversion speed and peak memory on a Llama-3-8B-shaped checkpoint, both directions.
 
-    python -m gridwright.evaluations.bench_convert [--layers 32] [--work DIR] [--keep]
+    python -m gridwright.evaluations.bench_convert [--layers 32] [--work DIR] [--keep] [--train "OVERRIDES"]
 
 Writes a randomly initialised bf16 Hugging Face folder of the Llama-3-8B shape (sharded
 safetensors, written tensor by tensor so this script itself stays small), then times
 `hf-to-megatron` and `megatron-to-hf`, each in a fresh process that reports its own
 peak RSS (ru_maxrss). MB/s is the bf16 checkpoint size divided by the conversion's wall
 time (imports excluded, the final rename included). The last step checks the round trip
-bit for bit. Results: a table on stdout, and evaluations/results/bench_convert_<time>.{md,json}.
+bit for bit. With `--train`, the converted checkpoint is first trained from by
+`launch.py` with the given overrides (e.g. on GPUs at TP=2), and the run's losses and
+throughput are reported too. Results: a table on stdout, and evaluations/results/bench_convert_<time>.{md,json}.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import argparse
 import json
 import platform
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -97,6 +100,24 @@ def run_child(argv: list[str]) -> dict:
     return result
 
 
+def train_from(checkpoint: Path, overrides: list[str], job_dir: Path) -> dict:
+    """Train from a converted checkpoint with launch.py; summarise the run's metrics."""
+    cmd = [sys.executable, "-m", "gridwright", f"hydra.searchpath=[file://{checkpoint}]", "model=hf",
+           f"checkpoint.load={checkpoint}", f"job_dir={job_dir}", *overrides]
+    print("+ " + shlex.join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"training from the converted checkpoint failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    steps = [json.loads(ln) for ln in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    later = steps[1:] or steps
+    mean = lambda key: sum(s.get(key, 0.0) for s in later) / len(later)  # noqa: E731
+    plan = proc.stdout.split("placement")[0]
+    return {"overrides": overrides, "steps": len(steps), "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
+            "tokens_per_s_per_gpu": mean("tokens_per_s_per_gpu"), "mfu": mean("mfu"),
+            "memory_gib": max(s.get("memory_max_allocated_gib", 0.0) for s in steps),
+            "layout_line": next((ln for ln in plan.splitlines() if ln.startswith("layout")), "")}
+
+
 def same_tensors(a: Path, b: Path) -> bool:
     """Bit-for-bit comparison, one tensor at a time."""
     from gridwright.adapters.hf_files import SafetensorsSource
@@ -116,10 +137,14 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch files")
     ap.add_argument("--no-save", action="store_true", help="print only; write no results file")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where the results files go")
+    ap.add_argument("--train", default=None, help="launch.py overrides (one quoted string): train from the "
+                    "converted checkpoint before converting it back")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="gridwright-bench-convert-"))
-    hf, meg, back = work / "hf", work / "megatron", work / "hf_back"
-    for p in (hf, meg, back):
+    hf, meg, back, job = work / "hf", work / "megatron", work / "hf_back", work / "job"
+    trained = None
+    for p in (hf, meg, back, job):
         shutil.rmtree(p, ignore_errors=True)
     try:
         t0 = time.perf_counter()
@@ -131,11 +156,14 @@ def main() -> None:
             ("hf-to-megatron", ["hf-to-megatron", "--hf", str(hf), "--out", str(meg)]),
             ("megatron-to-hf", ["megatron-to-hf", "--megatron", str(meg), "--out", str(back)]),
         ):
+            if direction == "megatron-to-hf" and args.train:
+                trained = train_from(meg, shlex.split(args.train), job)
+                print(f"trained from the converted checkpoint: {trained}", flush=True)
             r = run_child(argv)
             rows.append({"direction": direction, "gb": size / 1e9, "seconds": r["seconds"],
                          "mb_per_s": size / 1e6 / r["seconds"], "peak_rss_gib": r["peak_rss_kib"] / 1024**2,
                          "import_rss_gib": r["import_rss_kib"] / 1024**2})
-        exact = same_tensors(hf, back)
+        exact = same_tensors(hf, back)  # training reads the converted checkpoint, never writes it
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -145,22 +173,34 @@ def main() -> None:
         f"| {r['import_rss_gib']:.2f} |" for r in rows
     ])
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, Python {platform.python_version()}"
+    if torch.cuda.is_available():
+        machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(table)
     print(f"round trip bit-exact: {exact}   machine: {machine}")
+    if trained:
+        print(table.split("\n\n")[-1])
     if not args.no_save:
         stamp = time.strftime("%Y%m%d-%H%M")
-        RESULTS.mkdir(exist_ok=True)
+        args.out.mkdir(parents=True, exist_ok=True)
         cmd = "python -m gridwright.evaluations.bench_convert" + (f" --layers {args.layers}" if args.layers != 32 else "")
-        (RESULTS / f"bench_convert_{stamp}.md").write_text(
+        if args.train:
+            cmd += f" --train {shlex.quote(args.train)}"
+        if trained:
+            table += (f"\n\nTrained from the converted checkpoint ({trained['layout_line'].strip()}): "
+                      f"{trained['steps']} steps, loss {trained['first_loss']:.3f} -> {trained['last_loss']:.3f}, "
+                      f"{trained['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {trained['mfu']:.1%}, "
+                      f"peak memory {trained['memory_gib']:.1f} GiB/GPU (steps after the first averaged).")
+        (args.out / f"bench_convert_{stamp}.md").write_text(
             f"# Checkpoint conversion, Llama-3-8B shape ({args.layers} layers, bf16, random)\n\n"
-            f"Command: `{cmd}`  \nMachine: {machine} (CPU only)\n\n{table}\n\n"
+            f"Command: `{cmd}`  \nMachine: {machine} (conversion runs on the CPU)\n\n{table}\n\n"
             f"Round trip (HF -> Megatron-Core -> HF) bit-exact: {exact}\n\n"
             "Each source was written just before it was converted, so its reads may partly come from the "
             "page cache: MB/s measures the conversion, not a cold disk.\n"
         )
-        (RESULTS / f"bench_convert_{stamp}.json").write_text(
-            json.dumps({"layers": args.layers, "machine": machine, "rows": rows, "bit_exact": exact}, indent=2) + "\n")
-    if not exact:
+        (args.out / f"bench_convert_{stamp}.json").write_text(
+            json.dumps({"layers": args.layers, "machine": machine, "rows": rows, "bit_exact": exact, "trained": trained},
+                       indent=2) + "\n")
+    if exact is False:
         sys.exit(1)
 
 

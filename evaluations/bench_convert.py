@@ -177,8 +177,6 @@ def main() -> None:
         machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(table)
     print(f"round trip bit-exact: {exact}   machine: {machine}")
-    if trained:
-        print(table.split("\n\n")[-1])
     if not args.no_save:
         stamp = time.strftime("%Y%m%d-%H%M")
         args.out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +184,7 @@ def main() -> None:
         if args.train:
             cmd += f" --train {shlex.quote(args.train)}"
         if trained:
-            table += (f"\n\nTrained from the converted checkpoint ({trained['layout_line'].strip()}): "
+            table += (f"\n\nTrained from the converted checkpoint ({' '.join(trained['layout_line'].split()[1:])}): "
                       f"{trained['steps']} steps, loss {trained['first_loss']:.3f} -> {trained['last_loss']:.3f}, "
                       f"{trained['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {trained['mfu']:.1%}, "
                       f"peak memory {trained['memory_gib']:.1f} GiB/GPU (steps after the first averaged).")

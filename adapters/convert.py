@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -157,6 +158,8 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
     """Convert; returns the record written to `out_dir/conversion.json`."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = read_hf_config(hf_dir)
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", name):
+        raise ConversionError(f"--name '{name}' must be letters, digits and underscores (it names a config file).")
     model = model_config_from_hf(hf, name or default_model_name(hf_dir))
     layout = check_layout(model, tp, pp, vpp, ep)
     src = SafetensorsSource(hf_dir)

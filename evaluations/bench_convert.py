@@ -167,7 +167,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    header = f"| direction | checkpoint GB | seconds | MB/s | peak RSS GiB | RSS after imports GiB |\n|---|---|---|---|---|---|"
+    header = "| direction | checkpoint GB | seconds | MB/s | peak RSS GiB | RSS after imports GiB |\n|---|---|---|---|---|---|"
     table = "\n".join([header] + [
         f"| {r['direction']} | {r['gb']:.2f} | {r['seconds']:.1f} | {r['mb_per_s']:.0f} | {r['peak_rss_gib']:.2f} "
         f"| {r['import_rss_gib']:.2f} |" for r in rows

@@ -57,6 +57,11 @@ BROKEN = {
     "moe_tp_without_sp": (["model=tiny_mixtral", "parallel.tp=2", "parallel.moe_token_dispatcher=allgather"],
                           ["needs parallel.sp=true"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
+    "unknown_family": (["model.family=gpt2"], ["model.family='gpt2' is not one of llama, mistral, qwen2, mixtral"]),
+    "vocab_not_divisible_by_tp": (["parallel.tp=2", "model.vocab_size=257"],
+                                  ["model.vocab_size=257 is not divisible by parallel.tp=2"]),
+    "deepspeed_qwen2": (["engine=deepspeed", "model.family=qwen2", "model.qkv_bias=true"],
+                        ["engine=deepspeed builds a plain Hugging Face Llama or Mixtral"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }
 

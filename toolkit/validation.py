@@ -105,6 +105,11 @@ def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
         )
     if m.ffn_hidden_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={tp}.")
+    if m.vocab_size % tp:
+        out.append(
+            f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (Megatron-Core's "
+            f"vocabulary-parallel embedding splits it evenly). Fix: choose a TP among {_divisors(m.vocab_size)[:8]}."
+        )
     if m.num_layers % pp:
         out.append(
             f"model.num_layers={m.num_layers} is not divisible by parallel.pp={pp}. "

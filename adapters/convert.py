@@ -107,6 +107,19 @@ def _slices(piece: wm.Piece, global_shape: tuple, dtype: torch.dtype) -> list[Sl
     return out
 
 
+def _export_slices(reader: CheckpointReader, piece: wm.Piece, global_shape: tuple) -> list[Slice]:
+    """Reads for one piece. A large plain tensor is read along the chunks it was stored in
+    (row blocks when the converter wrote it, TP parts when a training run did), so each
+    stored byte is read once; everything else in one read."""
+    dtype = reader.dtype(piece.key)
+    whole = Slice(piece.key, piece.index + (0,) * len(piece.shape), (1,) * len(piece.index) + piece.shape,
+                  global_shape, dtype)
+    bounds = reader.row_boundaries(piece.key) if row_blocks(piece) != [(0, piece.shape[0])] else None
+    if not bounds or len(bounds) <= 2:  # not a large plain tensor, or stored in one chunk
+        return [whole]
+    return [Slice(piece.key, (a, 0), (b - a, piece.shape[1]), global_shape, dtype) for a, b in zip(bounds, bounds[1:])]
+
+
 def _progress(total_bytes: int, desc: str):
     from tqdm import tqdm
 
@@ -141,8 +154,13 @@ def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype 
             if key_dtypes.setdefault(p.key, got_dtype) != got_dtype:
                 problems.append(f"{name} is {got_dtype} but other tensors of {p.key} are {key_dtypes[p.key]}")
     if tied_head and not problems:
-        if not torch.equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
-            problems.append("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
+        rows = src.meta["lm_head.weight"][1][0]
+        step = max(1, ROW_BLOCK_ELEMENTS // model["hidden_size"])
+        for a in range(0, rows, step):  # in row blocks: the embedding may be 1 GB
+            b = min(a + step, rows)
+            if not torch.equal(src.get_rows("lm_head.weight", a, b), src.get_rows("model.embed_tokens.weight", a, b)):
+                problems.append("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
+                break
     if problems:
         raise ConversionError("the source does not match its config.json:\n  - " + "\n  - ".join(problems))
     names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -189,7 +207,8 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
             "dtype": sorted({DTYPE_NAMES[d] for d in dtypes.values()}),
             "toolkit_version": toolkit_version(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "tensors": len(pieces),
+            "hf_tensors": len({n for p in pieces for n in p.hf_names}),
+            "megatron_chunks": len(slices),
         }
         hint = (f"python launch.py 'hydra.searchpath=[file://{out_dir.resolve()}]' model={model['name']} "
                 f"checkpoint.load={out_dir.resolve()}")
@@ -240,10 +259,19 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
 
 
 def _model_from_yaml(path: Path) -> dict:
+    """A model config from a job's config.yaml or a conf/model file, schema defaults filled in."""
     from omegaconf import OmegaConf
 
-    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    return loaded.get("model", loaded)  # a job's config.yaml or a model group file
+    from ..schema import ModelConfig
+
+    if not path.is_file():
+        raise ConversionError(f"--model-config {path} does not exist.")
+    loaded = OmegaConf.load(path)
+    node = loaded.get("model", loaded)
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(ModelConfig), node), resolve=True)
+    except Exception as e:  # omegaconf's validation errors: a wrong key or type
+        raise ConversionError(f"--model-config {path} is not a gridwright model config: {e}") from e
 
 
 def plan_megatron_to_hf(reader: CheckpointReader, model: dict) -> list:
@@ -263,19 +291,20 @@ def plan_megatron_to_hf(reader: CheckpointReader, model: dict) -> list:
     return wm.pieces(model)
 
 
-def _hf_config(root: Path, model: dict, dtype: torch.dtype) -> dict:
-    """The source's own config.json when this checkpoint came from Hugging Face and still has
-    its shape; else one written by transformers' config classes."""
-    kept = root / HF_SOURCE / "config.json"
-    if kept.is_file():
-        original = json.loads(kept.read_text())
+def _hf_config(root: Path, model: dict, dtype: torch.dtype) -> tuple[dict, bool]:
+    """(config.json, whether it is the source's own). The source's own when this checkpoint
+    came from Hugging Face and still has exactly its model; else one written by
+    transformers' config classes."""
+    kept = root / HF_SOURCE
+    if (kept / "config.json").is_file():
+        original = json.loads((kept / "config.json").read_text())
         try:
-            same = {k: v for k, v in model_config_from_hf(original, model["name"]).items()} == model
+            same = model_config_from_hf(read_hf_config(kept), model["name"]) == model
         except UnsupportedModel:
             same = False
         if same:
-            return original
-    return hf_config_from_model(model, DTYPE_NAMES[dtype])
+            return dict(original, dtype=DTYPE_NAMES[dtype]) if "dtype" in original else original, True
+    return hf_config_from_model(model, DTYPE_NAMES[dtype]), False
 
 
 def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwrite=False,
@@ -291,39 +320,42 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
             "Fix: pass --model-config with the training job's config.yaml or a conf/model file."
         )
     pieces = plan_megatron_to_hf(reader, model)
-    out_dtype = dtype or reader.dtype(wm.EMBEDDING)
-    hf_config = _hf_config(root, model, out_dtype)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; pass --overwrite to replace it.")
-    total = sum(p.numel for p in pieces) * torch.tensor([], dtype=out_dtype).element_size()
+    # Each tensor keeps its stored dtype unless --dtype casts them all.
+    key_dtype = {p.key: dtype or reader.dtype(p.key) for p in pieces}
+    hf_config, own_config = _hf_config(root, model, key_dtype[wm.EMBEDDING])
+    total = sum(p.numel * key_dtype[p.key].itemsize for p in pieces)
     start = time.perf_counter()
     with staged_directory(out_dir, overwrite) as tmp, _progress(total, "megatron->hf") as bar:
-        entries = [(name, shape, out_dtype) for p in pieces for name, shape in zip(p.hf_names, wm.hf_shapes(p, model))]
+        entries = [(name, shape, key_dtype[p.key]) for p in pieces
+                   for name, shape in zip(p.hf_names, wm.hf_shapes(p, model))]
         writer = StreamingSafetensorsWriter(tmp, entries, max_shard_bytes)
         shapes = wm.global_shapes(model)
         for p in pieces:  # one DCP read per piece (or row block): memory stays at one slice
-            blocks = _slices(p, shapes[p.key], reader.dtype(p.key))
+            blocks = _export_slices(reader, p, shapes[p.key])
             for s in blocks:
                 t = reader.read([s])[0]
                 parts = [t.reshape(s.sizes)] if len(blocks) > 1 else wm.to_hf(p, t.reshape(p.shape), model)
                 for name, part in zip(p.hf_names, parts):
-                    writer.add(name, part.to(out_dtype))
-                bar.update(t.numel() * torch.tensor([], dtype=out_dtype).element_size())
+                    writer.add(name, part.to(key_dtype[p.key]))
+                bar.update(t.numel() * key_dtype[p.key].itemsize)
         writer.finish()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-        for f in SIDE_FILES:
-            if (root / HF_SOURCE / f).is_file():
-                shutil.copy2(root / HF_SOURCE / f, tmp / f)
+        # The source's tokenizer only goes with the source's own model (not after a resize).
+        copied = [f for f in SIDE_FILES if own_config and (root / HF_SOURCE / f).is_file()]
+        for f in copied:
+            shutil.copy2(root / HF_SOURCE / f, tmp / f)
         record = {
             "direction": "megatron-to-hf",
             "source": str(it.resolve()),
             "source_layout": reader.common.get("layout"),
             "source_step": reader.common.get("step"),
             "model_config": model,
-            "dtype": DTYPE_NAMES[out_dtype],
+            "dtype": sorted({DTYPE_NAMES[d] for d in key_dtype.values()}),
+            "config_json": "the source's own" if own_config else "written by transformers' config class",
+            "copied_files": copied,
             "toolkit_version": toolkit_version(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "tensors": len(pieces),
+            "hf_tensors": len(entries),
             "seconds": round(time.perf_counter() - start, 3),
         }
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -346,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--megatron", required=True, help="checkpoint root (with 'latest') or one iter_N directory")
     b.add_argument("--model-config", help="model config YAML (a job's config.yaml or conf/model file), for "
                    "checkpoints that do not record theirs")
-    b.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file (bounds memory)")
+    b.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file")
     for p in (a, b):
         p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
         p.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep the source's)")
@@ -375,13 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConversionError, UnsupportedModel, BadCheckpoint, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
-    print(f"wrote {args.out}: {record['tensors']} tensors in {record['seconds']} s")
+    print(f"wrote {args.out}: {record['hf_tensors']} Hugging Face tensors in {record['seconds']} s")
     if record.get("train_with"):
         print(f"train from it: {record['train_with']}")
     if args.verify:
         from .verify_logits import compare_logits
 
-        result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+        result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                                model=record["model_config"])
         ok = result["max_abs_diff"] <= args.tolerance
         print(f"verify: max |logit diff| {result['max_abs_diff']:.3e} at TP={args.tp} PP={args.pp} EP={args.ep} "
               f"({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g})")

@@ -1,10 +1,12 @@
 """Which Hugging Face models convert, and the gridwright model config each one becomes.
 
-A Hugging Face `config.json` is read as plain JSON (no `transformers` import): every
-field that changes the computation is either mapped onto gridwright's ModelConfig or
-refused with the reason. Refusing is the point: a sliding window, an unknown rope
-scaling, a bias Megatron-Core's layer would not apply would each give a model that
-loads and then computes something else.
+A Hugging Face `config.json` is read through `transformers.AutoConfig`, so a field the
+file leaves out gets the value transformers itself would use (Mistral's sliding window,
+Mixtral's rope theta...), and legacy spellings (`rope_theta` + `rope_scaling`) are
+normalised as transformers does. Every field that changes the computation is then
+either mapped onto gridwright's ModelConfig or refused with the reason. Refusing is the
+point: a sliding window, an unknown rope scaling, a bias Megatron-Core's layer would not
+apply would each give a model that loads and then computes something else.
 """
 from __future__ import annotations
 
@@ -29,13 +31,24 @@ class UnsupportedModel(ValueError):
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
+    """config.json with transformers' defaults filled in (as its model classes would see it)."""
+    import transformers
+
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise UnsupportedModel(f"{path} does not exist: a Hugging Face model folder holds config.json.")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UnsupportedModel(f"{path} is not valid JSON ({e}).") from e
+    if raw.get("model_type") not in SUPPORTED:
+        raise UnsupportedModel(
+            f"model_type '{raw.get('model_type')}' is not supported; supported: {', '.join(sorted(SUPPORTED))}."
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(str(hf_dir)).to_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise UnsupportedModel(f"transformers cannot read {path}: {e}") from e
 
 
 def _rope(hf: dict) -> tuple[float, float | None]:
@@ -60,6 +73,8 @@ def _rope(hf: dict) -> tuple[float, float | None]:
                 f"Llama-3 rope scaling with {key}={scaling[key]} is not supported: Megatron-Core 0.16.1 fixes it "
                 f"at {fixed:g}."
             )
+    if "factor" not in scaling:
+        raise UnsupportedModel("Llama-3 rope scaling without a 'factor' is incomplete.")
     return float(theta), float(scaling["factor"])
 
 
@@ -101,6 +116,8 @@ def model_config_from_hf(hf: dict, name: str) -> dict:
             f"sliding_window={hf.get('sliding_window')} (sliding-window attention) is not supported; "
             "only full causal attention converts.",
         )
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size") if not hf.get(k)]
+    _refuse_if(bool(missing), f"config.json lacks {', '.join(missing)}.")
     theta, scaling = _rope(hf)
     cfg = dict(
         name=name,
@@ -142,7 +159,13 @@ def hf_config_from_model(model: dict, dtype: str) -> dict:
     import transformers
 
     family = model["family"]
-    model_type = "mixtral" if model.get("num_experts") else family
+    model_type = family
+    experts, bias = bool(model.get("num_experts")), bool(model.get("qkv_bias"))
+    # Each family is one Hugging Face class: anything it would not compute is refused.
+    if (family == "mixtral") != experts:
+        raise UnsupportedModel(f"family {family} with num_experts={model.get('num_experts')}: only mixtral has experts.")
+    if (family == "qwen2") != bias:
+        raise UnsupportedModel(f"family {family} with qkv_bias={bias}: only qwen2 has (and needs) QKV biases.")
     rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
     if model.get("rope_scaling_factor") is not None:
         rope.update(rope_type="llama3", factor=float(model["rope_scaling_factor"]), **LLAMA3_FIXED)
@@ -169,8 +192,6 @@ def hf_config_from_model(model: dict, dtype: str) -> dict:
     elif model_type == "mistral":
         config = transformers.MistralConfig(sliding_window=None, **common)
     else:
-        if model.get("qkv_bias"):
-            raise UnsupportedModel("a llama-family model with QKV biases has no Hugging Face equivalent; use qwen2.")
         config = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     config.architectures = [SUPPORTED[model_type][0]]
     out = config.to_dict()

@@ -17,7 +17,7 @@ SINGLE = "model.safetensors"
 # Files copied along with the weights (tokenizer and generation settings), when present.
 SIDE_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-    "generation_config.json", "vocab.json", "merges.txt",
+    "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
 
 
@@ -44,14 +44,17 @@ class SafetensorsSource:
         self.meta: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, shape)
         for fname in sorted(set(weight_map.values())) if weight_map else [SINGLE]:
             for name, info in self._header(fname).items():
+                if name in self.files:
+                    raise BadCheckpoint(f"{name} is stored twice, in {self.files[name]} and {fname}.")
                 self.files[name] = fname
                 self.meta[name] = info
         if weight_map:
             listed, found = set(weight_map), set(self.files)
-            if listed != found:
+            misplaced = sorted(n for n in listed & found if weight_map[n] != self.files[n])
+            if listed != found or misplaced:
                 raise BadCheckpoint(
                     f"{index} and the shard files disagree: listed but absent {sorted(listed - found)[:5]}, "
-                    f"present but unlisted {sorted(found - listed)[:5]}."
+                    f"present but unlisted {sorted(found - listed)[:5]}, in another file than listed {misplaced[:5]}."
                 )
 
     def _header(self, fname: str) -> dict:
@@ -122,15 +125,13 @@ class StreamingSafetensorsWriter:
         self._shard, self._pos, self._rows, self._stream = 0, 0, 0, None
 
     def _open_next(self) -> None:
-        import json as _json
-
         entries = self.shards[self._shard]
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, dtype, nbytes in entries:
             header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
-        text = _json.dumps(header, separators=(",", ":")).encode()
+        text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
         self._stream = open(self.dir / self.files[self._shard], "wb")
         self._stream.write(len(text).to_bytes(8, "little") + text)

@@ -8,6 +8,7 @@ the last stage (TP rank 0, DP rank 0) writes the logits gathered over TP.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--model", help="model config JSON; default: the one the checkpoint records")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -53,7 +55,7 @@ def main() -> None:
     from ..layout import ParallelLayout
 
     tokens = torch.load(args.tokens)  # [batch, seq]
-    model = read_common(args.checkpoint)["model_config"]
+    model = json.loads(Path(args.model).read_text()) if args.model else read_common(args.checkpoint)["model_config"]
     cfg = _run_config(model, args.tp, args.pp, args.vpp, args.ep, tokens.shape[1])
     layout = ParallelLayout.from_config(cfg)
     apply_megatron_fixes()

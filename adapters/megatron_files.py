@@ -113,6 +113,13 @@ def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[in
     (directory / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
 
 
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
 class _SliceLoadPlanner(LoadPlanner):
     """Reads the requested slices into fresh tensors (from however the checkpoint was chunked)."""
 
@@ -127,7 +134,14 @@ class _SliceLoadPlanner(LoadPlanner):
         items = []
         for i, r in enumerate(self.requests):
             chunk = ChunkStorageMetadata(offsets=torch.Size(r.offsets), sizes=torch.Size(r.sizes))
-            for item in create_read_items_for_chunk_list(r.key, self.metadata.state_dict_metadata[r.key], [chunk]):
+            found = create_read_items_for_chunk_list(r.key, self.metadata.state_dict_metadata[r.key], [chunk])
+            # Stored chunks do not overlap, so the reads must add up to the request: a
+            # region no rank saved would otherwise stay uninitialised memory.
+            covered = sum(_numel(item.lengths) for item in found)
+            if covered != _numel(r.sizes):
+                raise ValueError(f"{r.key}{list(r.offsets)}: the checkpoint holds {covered} of the "
+                                 f"{_numel(r.sizes)} values asked for (an incomplete save?)")
+            for item in found:
                 # dest_index names the destination; the request number goes in its index field.
                 items.append(dataclasses.replace(item, dest_index=MetadataIndex(r.key, torch.Size(r.offsets), i)))
         return LoadPlan(items)
@@ -167,6 +181,14 @@ class CheckpointReader:
 
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
+
+    def row_boundaries(self, key: str) -> list[int] | None:
+        """Where the stored chunks of a 2-D tensor start along dim 0, when each chunk spans
+        whole rows (reading along them reads every stored byte once); else None."""
+        md = self.tensors[key]
+        if len(md.size) != 2 or any(c.sizes[1] != md.size[1] for c in md.chunks):
+            return None
+        return sorted({c.offsets[0] for c in md.chunks}) + [md.size[0]]
 
     def read(self, requests: list[Slice]) -> list[torch.Tensor]:
         planner = _SliceLoadPlanner(requests)

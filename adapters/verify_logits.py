@@ -6,6 +6,7 @@ and loaded as the engine would at that layout. Both see the same random tokens.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,10 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits.float()
 
 
-def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1, vpp=None, ep=1) -> torch.Tensor:
+def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1, vpp=None, ep=1,
+                    model: dict | None = None) -> torch.Tensor:
+    """Logits of the Megatron-Core model at this layout; `model` overrides the model config
+    the checkpoint records (needed for checkpoints that record none)."""
     from gridwright.launchers.local import free_port
 
     from .convert import find_checkpoint
@@ -33,13 +37,17 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
     with tempfile.TemporaryDirectory(prefix="gridwright-logits-") as tmp:
         tok_file, out_file = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
         torch.save(tokens, tok_file)
+        model_args = []
+        if model is not None:
+            (Path(tmp) / "model.json").write_text(json.dumps(model))
+            model_args = ["--model", str(Path(tmp) / "model.json")]
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={tp * pp * ep}",
             "--master_addr=127.0.0.1", f"--master_port={free_port()}",
             "-m", "gridwright.adapters.logits_worker", "--checkpoint", str(iteration),
             "--tokens", str(tok_file), "--out", str(out_file),
             "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
-        ] + (["--vpp", str(vpp)] if vpp else [])
+        ] + (["--vpp", str(vpp)] if vpp else []) + model_args
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -51,14 +59,12 @@ def sample_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0)
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def compare_logits(hf_dir, megatron_dir, tp=1, pp=1, vpp=None, ep=1, batch=2, seq=16) -> dict:
+def compare_logits(hf_dir, megatron_dir, tp=1, pp=1, vpp=None, ep=1, batch=2, seq=16, model=None) -> dict:
     """Max |difference| of the two models' logits on the same tokens (fp32, CPU)."""
-    import json
-
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = sample_tokens(vocab, batch, seq * tp)  # SP splits the sequence over TP
     ref = hf_logits(hf_dir, tokens)
-    got = megatron_logits(megatron_dir, tokens, tp, pp, vpp, ep)
+    got = megatron_logits(megatron_dir, tokens, tp, pp, vpp, ep, model)
     if got.shape != ref.shape:
         raise RuntimeError(f"logits shapes differ: Hugging Face {tuple(ref.shape)}, Megatron-Core {tuple(got.shape)}")
     diff = (got - ref).abs()

@@ -6,6 +6,7 @@ the Megatron-Core side runs in real gloo processes at TP=2, PP=2 and EP=2.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,39 @@ def test_bf16_round_trip_keeps_dtype_and_bits(tmp_path):
     assert all(b[n].dtype == torch.bfloat16 and torch.equal(a[n], b[n]) for n in a)
 
 
+def test_mixed_dtypes_round_trip_per_tensor(tmp_path):
+    """fp32 norms beside bf16 weights (as some releases ship): each keeps its dtype both ways."""
+    import transformers
+
+    from gridwright.adapters.tiny_models import _configs
+
+    model = transformers.AutoModelForCausalLM.from_config(_configs()["qwen2"]).to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data = p.data.float()
+    model.save_pretrained(tmp_path / "hf")
+    assert convert_main(["hf-to-megatron", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m")]) == 0
+    assert convert_main(["megatron-to-hf", "--megatron", str(tmp_path / "m"), "--out", str(tmp_path / "back")]) == 0
+    a, b = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
+    assert {a[n].dtype for n in a} == {torch.bfloat16, torch.float32}
+    assert all(b[n].dtype == a[n].dtype and torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("kind", ["llama3_tied", "mistral", "qwen2", "mixtral"])
+def test_export_without_the_source_config_writes_an_equivalent_one(kind, models, converted, tmp_path):
+    """Without the kept source config.json, the exported config is written by transformers'
+    config class from the model config; the exported model computes the original's logits."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted[kind], ckpt)
+    shutil.rmtree(ckpt / "hf_source")
+    back = tmp_path / "back"
+    assert convert_main(["megatron-to-hf", "--megatron", str(ckpt), "--out", str(back)]) == 0
+    record = json.loads((back / "conversion.json").read_text())
+    assert record["config_json"] == "written by transformers' config class" and record["copied_files"] == []
+    tokens = sample_tokens(128)
+    assert torch.equal(hf_logits(back, tokens), hf_logits(models[kind], tokens))
+
+
 def test_exported_folder_loads_with_from_pretrained(models, converted, tmp_path):
     """transformers loads the export (Mixtral experts fused on load) and computes the same logits."""
     back = tmp_path / "back"
@@ -140,6 +174,16 @@ def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launc
     assert record["source_layout"][saved] == 2 and record["source_step"] == 3
     r = compare_logits(out, ckpt, tp=1)
     assert r["max_abs_diff"] <= TOLERANCE
+    if experiment == "tiny_llama_tp2":
+        # A checkpoint that records no model config converts with the model's conf/ file.
+        common_file = ckpt / "iter_0000003" / "common.pt"
+        common = torch.load(common_file, weights_only=False)
+        del common["common"]["model_config"]
+        torch.save(common, common_file)
+        conf_file = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny_llama.yaml"
+        assert convert_main(["megatron-to-hf", "--megatron", str(ckpt), "--out", str(tmp_path / "hf2"),
+                             "--model-config", str(conf_file), "--verify", "--tp", "2"]) == 0
+        assert _tensors(tmp_path / "hf2").keys() == _tensors(out).keys()
 
 
 def test_engine_trains_from_a_converted_checkpoint(converted, run_launch, tmp_path):
@@ -275,3 +319,29 @@ def test_command_line_with_verify(models, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "verify: max |logit diff|" in r.stdout and "(ok," in r.stdout
     assert json.loads((out / "conversion.json").read_text())["layout"]["pp"] == 2
+
+
+# --- atomic output ---------------------------------------------------------------------
+
+
+def test_staged_directory_leaves_nothing_on_error_and_keeps_a_late_arrival(tmp_path):
+    from gridwright.atomic_io import staged_directory
+
+    final = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with staged_directory(final) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileExistsError, match="appeared while it was being written"):
+        with staged_directory(final) as tmp:
+            (tmp / "new.bin").write_bytes(b"new")
+            final.mkdir()
+            (final / "theirs.txt").write_text("someone else's")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (final / "theirs.txt").exists()
+    with staged_directory(final, overwrite=True) as tmp:
+        (tmp / "new.bin").write_bytes(b"new")
+    assert [p.name for p in final.iterdir()] == ["new.bin"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert final.stat().st_mode & 0o777 == 0o777 & ~umask  # the umask's permissions, not mkdtemp's 0700

@@ -58,6 +58,8 @@ BROKEN = {
                           ["needs parallel.sp=true"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
     "unknown_family": (["model.family=gpt2"], ["model.family='gpt2' is not one of llama, mistral, qwen2, mixtral"]),
+    "experts_need_mixtral_family": (["model.num_experts=4"], ["only the mixtral family has experts"]),
+    "qkv_bias_needs_qwen2_family": (["model.qkv_bias=true"], ["QKV biases are what the qwen2 family has"]),
     "vocab_not_divisible_by_tp": (["parallel.tp=2", "model.vocab_size=257"],
                                   ["model.vocab_size=257 is not divisible by parallel.tp=2"]),
     "deepspeed_qwen2": (["engine=deepspeed", "model.family=qwen2", "model.qkv_bias=true"],

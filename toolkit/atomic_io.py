@@ -26,28 +26,59 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then the directories, to disk (before the rename
+    that publishes them, so a power loss cannot leave a published but empty file)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def staged_directory(final: str | os.PathLike, overwrite: bool = False):
     """Yield a fresh temporary directory beside `final`; rename it to `final` on success.
 
-    On any error the temporary directory is removed and `final` is untouched. With
-    `overwrite`, an existing `final` is moved aside first and deleted only after the new
-    one is in place. Without it, an existing `final` is an error before anything is written.
+    On any error the temporary directory is removed and `final` is untouched. Without
+    `overwrite`, an existing `final` is an error, checked before anything is written and
+    again at the rename (something may have appeared meanwhile). With it, the old `final`
+    is moved aside, and deleted only once the new one is in place (restored if that fails).
     """
     final = Path(final)
-    if final.exists() and not overwrite:
+    if os.path.lexists(final) and not overwrite:
         raise FileExistsError(f"{final} already exists; pass --overwrite to replace it.")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+    old, committed = None, False
     try:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if final.exists():
-        old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".old"))
-        os.replace(final, old / "previous")
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _fsync_tree(tmp)
+        if os.path.lexists(final):
+            if not overwrite:
+                raise FileExistsError(f"{final} appeared while it was being written; nothing was replaced.")
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".old"))
+            os.replace(final, old / "previous")
+        try:
+            os.replace(tmp, final)
+            committed = True
+        except BaseException:
+            if old is not None:
+                os.replace(old / "previous", final)
+                old.rmdir()
+                old = None
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+        if committed and old is not None:  # never delete the previous output before the new one is in place
+            shutil.rmtree(old, ignore_errors=True)

@@ -105,6 +105,12 @@ def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
         )
     if m.ffn_hidden_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={tp}.")
+    if (m.family == "mixtral") != bool(m.num_experts):
+        out.append(f"model.family={m.family} with model.num_experts={m.num_experts}: only the mixtral family has "
+                   "experts (the family names the Hugging Face architecture).")
+    if (m.family == "qwen2") != bool(m.qkv_bias):
+        out.append(f"model.family={m.family} with model.qkv_bias={m.qkv_bias}: QKV biases are what the qwen2 "
+                   "family has, and only it.")
     if m.vocab_size % tp:
         out.append(
             f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (Megatron-Core's "

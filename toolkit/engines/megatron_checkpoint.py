@@ -78,6 +78,7 @@ def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
+    path = root / LATEST
     try:
         path = latest_checkpoint(root)
         if path is None:
@@ -85,8 +86,8 @@ def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
         common = read_common(path)
     except CheckpointError as e:
         return str(e)
-    except Exception as e:  # a truncated or foreign common.pt
-        return f"checkpoint.load={root}: cannot read {path}/common.pt ({e})."
+    except Exception as e:  # an unreadable pointer, a truncated or foreign common.pt
+        return f"checkpoint.load={root}: cannot read {path} ({e})."
     recorded = common.get("model_config")
     if model_cfg is not None and recorded:
         diffs = model_differences(recorded, model_cfg)

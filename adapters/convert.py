@@ -312,7 +312,10 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
     """Convert; returns the record written to `out_dir/conversion.json`."""
     root, it = find_checkpoint(Path(megatron_dir))
     out_dir = Path(out_dir)
-    reader = CheckpointReader(it)
+    try:
+        reader = CheckpointReader(it)
+    except Exception as e:  # a missing or corrupt .metadata or common.pt
+        raise ConversionError(f"{it} is not a readable Megatron-Core checkpoint: {e}") from e
     model = _model_from_yaml(Path(model_config)) if model_config else reader.common.get("model_config")
     if not model:
         raise ConversionError(
@@ -404,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             record = megatron_to_hf(args.megatron, args.out, args.model_config, dtype, args.overwrite,
                                     int(args.max_shard_gib * 1024**3))
             hf_dir, megatron_dir = Path(args.out), Path(args.megatron)
-    except (ConversionError, UnsupportedModel, BadCheckpoint, FileExistsError) as e:
+    except (ValueError, FileExistsError) as e:  # bad input (ConversionError, UnsupportedModel, BadCheckpoint...)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
     print(f"wrote {args.out}: {record['hf_tensors']} Hugging Face tensors in {record['seconds']} s")

@@ -12,6 +12,7 @@ layouts).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -51,6 +52,20 @@ class Slice:
     sizes: tuple[int, ...]
     global_shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@contextlib.contextmanager
+def _unwrapped_errors():
+    """DCP wraps any error raised inside a save or load (even in one process) into a
+    CheckpointException (a BaseException); re-raise the original, so a bad source tensor
+    reads as the clear error it is."""
+    try:
+        yield
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        if failures and isinstance(failures[0][0], Exception):
+            raise failures[0][0] from None
+        raise
 
 
 class _LazySavePlanner(SavePlanner):
@@ -98,7 +113,7 @@ class _LazySavePlanner(SavePlanner):
 def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[int], torch.Tensor],
                      common: dict) -> None:
     """A complete torch_dist checkpoint in `directory` (which must exist and be empty)."""
-    with warnings.catch_warnings():  # single-process use of DCP is intended here
+    with warnings.catch_warnings(), _unwrapped_errors():  # single-process use of DCP is intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_save(
             state_dict={},
@@ -192,7 +207,7 @@ class CheckpointReader:
 
     def read(self, requests: list[Slice]) -> list[torch.Tensor]:
         planner = _SliceLoadPlanner(requests)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _unwrapped_errors():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_load(state_dict={}, storage_reader=FileSystemReader(str(self.dir)), planner=planner, no_dist=True)
         return planner.out

@@ -345,3 +345,31 @@ def test_staged_directory_leaves_nothing_on_error_and_keeps_a_late_arrival(tmp_p
     umask = os.umask(0)
     os.umask(umask)
     assert final.stat().st_mode & 0o777 == 0o777 & ~umask  # the umask's permissions, not mkdtemp's 0700
+
+
+def test_failure_mid_write_leaves_no_output(tmp_path):
+    """An error while tensors stream (after planning passed) surfaces as itself, and the
+    half-written checkpoint is removed."""
+    from gridwright.adapters.megatron_files import Slice, write_checkpoint
+    from gridwright.atomic_io import staged_directory
+
+    slices = [Slice("a", (0,), (4,), (4,), torch.float32), Slice("b", (0,), (4,), (4,), torch.float32)]
+
+    def produce(i):
+        if i == 1:
+            raise ValueError("tensor b is unreadable")
+        return torch.ones(4)
+
+    with pytest.raises(ValueError, match="tensor b is unreadable"):
+        with staged_directory(tmp_path / "out") as tmp:
+            write_checkpoint(tmp, slices, produce, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_megatron_checkpoint_is_refused(converted, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted["llama"], ckpt)
+    (ckpt / "iter_0000000" / ".metadata").write_bytes(b"not a pickle")
+    assert convert_main(["megatron-to-hf", "--megatron", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
+    assert "is not a readable Megatron-Core checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

@@ -36,7 +36,7 @@ from .hf_architecture import (
     model_config_from_hf,
     read_hf_config,
 )
-from .hf_files import SIDE_FILES, BadCheckpoint, SafetensorsSource, StreamingSafetensorsWriter
+from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
 from .megatron_files import CheckpointReader, Slice, write_checkpoint
 
 ITERATION = "iter_0000000"  # what megatron_checkpoint.iteration_name(0) gives

@@ -63,23 +63,30 @@ def toolkit_version() -> str:
         return "unknown"
 
 
-def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
-    """Validate the target layout with the same rules as `launch.py`; returns its record."""
+def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, seq_length: int):
+    """A run config of this model at this layout on CPU processes (one per rank), as the
+    layout check and the logits worker both build the model."""
     from omegaconf import OmegaConf
 
     from ..schema import RunConfig
-    from ..validation import ConfigError, validate
 
     cfg = OmegaConf.structured(RunConfig)
     cfg.model = OmegaConf.merge(cfg.model, model)
-    world = tp * pp * ep
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = tp, pp, vpp, ep
     cfg.parallel.sp = tp > 1  # Megatron-Core needs SP for MoE with TP; harmless for dense
     cfg.parallel.moe_token_dispatcher = "allgather"
-    cfg.cluster.gpus_per_node, cfg.cluster.nvlink_domain_size = world, world
+    cfg.cluster.gpus_per_node = cfg.cluster.nvlink_domain_size = tp * pp * ep
+    cfg.train.seq_length, cfg.train.micro_batch_size = seq_length, 1
+    return cfg
+
+
+def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
+    """Validate the target layout with the same rules as `launch.py`; returns its record."""
+    from ..validation import ConfigError, validate
+
+    cfg = layout_run_config(model, tp, pp, vpp, ep, seq_length=8 * tp)
     cfg.launcher.name, cfg.tracking.enabled = "plan", False
-    cfg.train.seq_length = 8 * tp
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, pp * ep
+    cfg.train.global_batch_size = pp * ep
     cfg.train.steps, cfg.train.warmup_steps = 2, 0
     try:
         validate(cfg, for_launch=False)
@@ -154,10 +161,8 @@ def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype 
             if key_dtypes.setdefault(p.key, got_dtype) != got_dtype:
                 problems.append(f"{name} is {got_dtype} but other tensors of {p.key} are {key_dtypes[p.key]}")
     if tied_head and not problems:
-        rows = src.meta["lm_head.weight"][1][0]
-        step = max(1, ROW_BLOCK_ELEMENTS // model["hidden_size"])
-        for a in range(0, rows, step):  # in row blocks: the embedding may be 1 GB
-            b = min(a + step, rows)
+        embedding = next(p for p in pieces if p.key == wm.EMBEDDING)
+        for a, b in row_blocks(embedding):  # in row blocks: the embedding may be 1 GB
             if not torch.equal(src.get_rows("lm_head.weight", a, b), src.get_rows("model.embed_tokens.weight", a, b)):
                 problems.append("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
                 break

@@ -151,15 +151,12 @@ def model_config_from_hf(hf: dict, name: str) -> dict:
     return cfg
 
 
-def hf_config_from_model(model: dict, dtype: str) -> dict:
-    """A Hugging Face config.json (as a dict) for a gridwright model config.
-
-    Built by `transformers`' own config classes so every default they write is theirs.
-    """
+def transformers_config(model: dict):
+    """The transformers config object of a gridwright model config (the DeepSpeed engine
+    builds its model from it; the exporter writes it as config.json)."""
     import transformers
 
     family = model["family"]
-    model_type = family
     experts, bias = bool(model.get("num_experts")), bool(model.get("qkv_bias"))
     # Each family is one Hugging Face class: anything it would not compute is refused.
     if (family == "mixtral") != experts:
@@ -182,21 +179,27 @@ def hf_config_from_model(model: dict, dtype: str) -> dict:
         rope_parameters=rope,
         hidden_act="silu",
     )
-    if model_type == "mixtral":
+    if family == "mixtral":
         config = transformers.MixtralConfig(
             num_local_experts=model["num_experts"], num_experts_per_tok=model["moe_router_topk"],
             router_aux_loss_coef=model["moe_aux_loss_coeff"], sliding_window=None, **common,
         )
-    elif model_type == "qwen2":
+    elif family == "qwen2":
         config = transformers.Qwen2Config(use_sliding_window=False, **common)
-    elif model_type == "mistral":
+    elif family == "mistral":
         config = transformers.MistralConfig(sliding_window=None, **common)
     else:
         config = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-    config.architectures = [SUPPORTED[model_type][0]]
-    out = config.to_dict()
-    out["dtype"] = dtype
-    return out
+    config.architectures = [SUPPORTED[family][0]]
+    return config
+
+
+def hf_config_from_model(model: dict, dtype: str) -> dict:
+    """A Hugging Face config.json (as a dict) for a gridwright model config.
+
+    Built by `transformers`' own config classes so every default they write is theirs.
+    """
+    return dict(transformers_config(model).to_dict(), dtype=dtype)
 
 
 def default_model_name(hf_dir: str | Path) -> str:

@@ -15,21 +15,6 @@ import torch
 import torch.distributed as dist
 
 
-def _run_config(model: dict, tp: int, pp: int, vpp, ep: int, seq_length: int):
-    from omegaconf import OmegaConf
-
-    from ..schema import RunConfig
-
-    cfg = OmegaConf.structured(RunConfig)
-    cfg.model = OmegaConf.merge(cfg.model, model)
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = tp, pp, vpp, ep
-    cfg.parallel.sp = tp > 1
-    cfg.parallel.moe_token_dispatcher = "allgather"
-    cfg.cluster.gpus_per_node = cfg.cluster.nvlink_domain_size = tp * pp * ep
-    cfg.train.seq_length, cfg.train.micro_batch_size = seq_length, 1
-    return cfg
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True, help="an iter_N directory")
@@ -48,6 +33,7 @@ def main() -> None:
     from megatron.core.transformer import TransformerConfig
 
     from ..engines.megatron_checkpoint import load_model_weights, read_common
+    from .convert import layout_run_config
     from ..engines.megatron_cpu_compat import cpu_compat
     from ..engines.megatron_engine import init_parallel
     from ..engines.megatron_fixes import apply_megatron_fixes
@@ -56,7 +42,7 @@ def main() -> None:
 
     tokens = torch.load(args.tokens)  # [batch, seq]
     model = json.loads(Path(args.model).read_text()) if args.model else read_common(args.checkpoint)["model_config"]
-    cfg = _run_config(model, args.tp, args.pp, args.vpp, args.ep, tokens.shape[1])
+    cfg = layout_run_config(model, args.tp, args.pp, args.vpp, args.ep, tokens.shape[1])
     layout = ParallelLayout.from_config(cfg)
     apply_megatron_fixes()
     with cpu_compat():

@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..engines.megatron_checkpoint import read_common
+
 # What Megatron-Core 0.16.1's dist_checkpointing writes into metadata.json for torch_dist.
 BACKEND_METADATA = {
     "sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -189,7 +191,7 @@ class CheckpointReader:
             k: v for k, v in FileSystemReader(str(self.dir)).read_metadata().state_dict_metadata.items()
             if hasattr(v, "size")
         }
-        self.common = torch.load(self.dir / "common.pt", map_location="cpu", weights_only=False)["common"]
+        self.common = read_common(self.dir)
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)

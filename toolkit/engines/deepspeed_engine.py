@@ -18,26 +18,13 @@ from ..step_metrics import timed_step
 
 
 def hf_config(model):
-    """The transformers config of the same shape as gridwright's ModelConfig."""
-    import transformers
+    """The transformers config of the same shape as gridwright's ModelConfig (the same one
+    checkpoint export writes)."""
+    from omegaconf import OmegaConf
 
-    common = dict(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.ffn_hidden_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_query_groups,
-        max_position_embeddings=model.max_position_embeddings,
-        rms_norm_eps=model.norm_epsilon,
-        tie_word_embeddings=model.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)},
-    )
-    if model.num_experts:
-        return transformers.MixtralConfig(
-            num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk, **common
-        )
-    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    from gridwright.adapters.hf_architecture import transformers_config
+
+    return transformers_config(OmegaConf.to_container(model, resolve=True))
 
 
 def deepspeed_config(cfg, layout: ParallelLayout) -> dict:

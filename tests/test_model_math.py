@@ -3,7 +3,13 @@ import pytest
 
 from gridwright.layout import ParallelLayout
 from gridwright.memory_estimate import estimate_memory
-from gridwright.model_math import forward_flops_per_token, model_flops_per_token, param_counts
+from gridwright.model_math import (
+    flops_per_token_all,
+    forward_flops_per_token,
+    hardware_flops_per_token,
+    model_flops_per_token,
+    param_counts,
+)
 
 
 def test_published_parameter_counts(compose):
@@ -12,13 +18,43 @@ def test_published_parameter_counts(compose):
     assert param_counts(compose("model=mixtral_8x7b").model).total == pytest.approx(46.7e9, rel=0.005)
 
 
-def test_flops_formula_by_hand(compose):
+# Hand-computed FLOPs per token (forward + backward), worked out digit by digit:
+#   matmul = layers x (QKV + output projection + active MLP [+ router for palm]) + hidden x vocab
+#   megatron = 6 x matmul + 6 x layers x seq x hidden      (causal attention halved)
+#   palm     = 6 x matmul + 12 x layers x seq x hidden
+# Llama-3-8B, seq 8192: matmul 7,504,658,432; attention 6,442,450,944 (x2 for palm).
+# Llama-3-70B, seq 8192: matmul 69,501,714,432; attention 32,212,254,720.
+# Mixtral-8x7B, seq 4096: matmul 12,747,538,432 (+ router 1,048,576 for palm); attention 3,221,225,472.
+HAND_FLOPS = {
+    ("llama3_8b", 8192): {"megatron": 51_470_401_536, "palm": 57_912_852_480},
+    ("llama3_70b", 8192): {"megatron": 449_222_541_312, "palm": 481_434_796_032},
+    ("mixtral_8x7b", 4096): {"megatron": 79_706_456_064, "palm": 82_933_972_992},
+}
+
+
+@pytest.mark.parametrize("model,seq", list(HAND_FLOPS))
+def test_flops_per_token_by_hand(compose, model, seq):
+    m = compose(f"model={model}").model
+    for definition, expected in HAND_FLOPS[(model, seq)].items():
+        assert model_flops_per_token(m, seq, definition) == expected
+    assert flops_per_token_all(m, seq) == HAND_FLOPS[(model, seq)]
+
+
+def test_megatron_is_the_default_and_unknown_definitions_are_refused(compose):
     m = compose("model=llama3_8b").model
-    h, f, L, V, s = 4096, 14336, 32, 128256, 8192
-    attn = h * (32 + 2 * 8) * 128 + 32 * 128 * h
-    expected_forward = 2 * (L * (attn + 3 * h * f) + h * V) + 4 * L * s * h
-    assert forward_flops_per_token(m, s) == expected_forward
-    assert model_flops_per_token(m, s) == 3 * expected_forward
+    assert model_flops_per_token(m, 8192) == 51_470_401_536
+    with pytest.raises(ValueError, match="megatron, palm"):
+        model_flops_per_token(m, 8192, "titan")
+
+
+def test_hfu_counts_recomputed_forward(compose):
+    m = compose("model=llama3_8b").model
+    model = model_flops_per_token(m, 8192)
+    assert hardware_flops_per_token(m, 8192, "none") == model
+    # full: one more forward (a third of the model FLOPs)
+    assert hardware_flops_per_token(m, 8192, "full") == model + 51_470_401_536 / 3
+    # selective: the causal attention scores' forward again: 4 x 32 x 8192 x 4096 / 2
+    assert hardware_flops_per_token(m, 8192, "selective") == model + 2_147_483_648
 
 
 def test_moe_counts_only_active_experts(compose):

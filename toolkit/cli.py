@@ -5,14 +5,17 @@ Nothing is created or started until validation has passed.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 from omegaconf import DictConfig
 
 from .compose import strip_hydra
-from .jobdir import JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir
+from .atomic_io import write_text_atomic
+from .jobdir import PLAN_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir
 from .memory_estimate import estimate_memory
 from .model_math import param_counts
+from .plan_record import plan_lines, plan_record
 from .validation import ConfigError, validate
 
 EXIT_INVALID = 2
@@ -22,7 +25,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
-def plan_text(cfg, layout, placement, job_dir) -> str:
+def plan_text(cfg, layout, placement, job_dir, plan: dict) -> str:
     pc = param_counts(cfg.model)
     t = cfg.train
     accumulation = t.global_batch_size // (t.micro_batch_size * layout.dp)
@@ -37,6 +40,7 @@ def plan_text(cfg, layout, placement, job_dir) -> str:
         f"batch       global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation "
         f"{accumulation} x DP {layout.dp}; sequence {t.seq_length}",
     ]
+    lines += plan_lines(plan)
     if cfg.cluster.device == "cuda":
         lines.append(f"memory/GPU  {estimate_memory(cfg, layout).describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
     lines.append(f"job dir     {job_dir}")
@@ -55,7 +59,9 @@ def run(hydra_cfg: DictConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
     create_job_dir(cfg, placement, job_dir)
-    print(plan_text(cfg, layout, placement, job_dir), flush=True)
+    plan = plan_record(cfg, layout, placement)
+    write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
+    print(plan_text(cfg, layout, placement, job_dir, plan), flush=True)
 
     name = cfg.launcher.name
     if name == "plan":
@@ -82,14 +88,14 @@ def run_locally(cfg, layout, job_dir) -> int:
 
     env, run_id = {}, None
     if cfg.tracking.enabled:
-        from . import tracking
+        from . import sweep, tracking
 
-        run_id = tracking.open_run(cfg, job_dir, layout)
+        run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags())
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
         print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
     code = run_local(cfg, job_dir, env)
     if run_id is not None:
-        tracking.close_run(cfg, run_id, ok=code == 0)
+        tracking.close_run(cfg, run_id, ok=code == 0, job_dir=job_dir)
     if code == 0:
         print(f"done: {job_dir}")
     else:
@@ -104,15 +110,28 @@ def main() -> None:
     from .compose import CONF_DIR
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-    def _main(cfg: DictConfig) -> None:
+    def _main(cfg: DictConfig):
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        code = run(cfg)
-        if code and HydraConfig.get().mode == RunMode.MULTIRUN:
-            # A sweep (-m) reports an invalid or failed point and goes on to the next.
-            print(f"sweep point {HydraConfig.get().job.num} ended with exit code {code}", file=sys.stderr)
-        elif code:
-            sys.exit(code)
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            code = run(cfg)
+            if code:
+                sys.exit(code)
+            return None
+        # A sweep (-m) reports an invalid or failed point and goes on to the next. The
+        # point's exit code, or its exception, is what gridwright.sweep records for it.
+        num = HydraConfig.get().job.num
+        try:
+            code = run(cfg)
+        except Exception as e:  # noqa: BLE001 - one point's crash must not end the sweep
+            import traceback
+
+            traceback.print_exc()
+            print(f"sweep point {num} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return e
+        if code:
+            print(f"sweep point {num} ended with exit code {code}", file=sys.stderr)
+        return code
 
     _main()

@@ -1,18 +1,27 @@
 """The job directory: the composed config, the placement and everything a run writes.
 
 A job directory is created once and never reused: an existing directory is an error,
-so a second run can never overwrite the records of a first.
+so a second run can never overwrite the records of a first. Each gets a stable id
+(`job.json`), by which MLflow finds its run again (`python -m gridwright.sync`).
+
+A `-m` sweep gets one directory `job_root/sweeps/<experiment>/<time>-<id>/` (its record
+is `sweep.json`, see gridwright.sweep); each point's job directory is `<num>-<slug>/` in it.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import secrets
+import time
+import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 from omegaconf import OmegaConf
 
 from .atomic_io import write_text_atomic
+from .layout import ParallelLayout
 from .placement import Placement
 
 CONFIG_FILE = "config.yaml"
@@ -21,17 +30,61 @@ PLACEMENT_CSV = "placement.csv"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 RANKS_DIR = "ranks"
+JOB_FILE = "job.json"  # the job's stable id and creation time
+PLAN_FILE = "plan.json"  # FLOPs per token, peak, parameters, memory estimate (written at planning)
+SWEEP_FILE = "sweep.json"
+SWEEPS_DIR = "sweeps"
+
+
+class SweepPoint(NamedTuple):
+    sweep_dir: Path
+    num: int
+
+
+# The sweep point running in this process, if any: set by the sweep's Hydra callback
+# around each point (Hydra's basic launcher runs the points one after another in the
+# process that started the sweep).
+_current_point: SweepPoint | None = None
+
+
+def enter_sweep_point(sweep_dir: Path, num: int) -> None:
+    global _current_point
+    _current_point = SweepPoint(Path(sweep_dir), int(num))
+
+
+def leave_sweep_point() -> None:
+    global _current_point
+    _current_point = None
 
 
 class JobDirExists(FileExistsError):
     pass
 
 
+def _fresh_name() -> str:
+    return f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def sweep_point_name(num: int, layout: ParallelLayout) -> str:
+    return f"{num}-{layout.slug()}"
+
+
 def planned_job_dir(cfg) -> Path:
+    """`job_dir` when given; else `<sweep dir>/<num>-<slug>` for a sweep point; else
+    `job_root/<experiment>/<time>-<id>`."""
     if cfg.job_dir:
         return Path(cfg.job_dir).resolve()
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return (Path(cfg.job_root) / cfg.name / f"{stamp}-{secrets.token_hex(2)}").resolve()
+    if _current_point is not None:
+        name = sweep_point_name(_current_point.num, ParallelLayout.from_config(cfg))
+        return (_current_point.sweep_dir / name).resolve()
+    return (Path(cfg.job_root) / cfg.name / _fresh_name()).resolve()
+
+
+def create_sweep_dir(cfg) -> Path:
+    """A new directory `job_root/sweeps/<experiment>/<time>-<id>/` for one `-m` sweep."""
+    path = (Path(cfg.job_root) / SWEEPS_DIR / cfg.name / _fresh_name()).resolve()
+    path.mkdir(parents=True)  # fails if it exists
+    return path
 
 
 def check_job_dir_free(path: Path) -> None:
@@ -50,7 +103,47 @@ def create_job_dir(cfg, placement: Placement, path: Path) -> Path:
     write_text_atomic(path / CONFIG_FILE, OmegaConf.to_yaml(cfg))
     write_text_atomic(path / PLACEMENT_JSON, placement.to_json())
     write_text_atomic(path / PLACEMENT_CSV, placement.to_csv())
+    _write_job_record(path)
     return path
+
+
+def _write_job_record(path: Path) -> dict:
+    now = time.time()
+    record = {
+        "job_id": uuid.uuid4().hex,
+        "created": datetime.datetime.fromtimestamp(now).isoformat(timespec="seconds"),
+        "created_ms": int(now * 1000),
+    }
+    if _current_point is not None:
+        record["sweep_point"] = _current_point.num
+    write_text_atomic(path / JOB_FILE, json.dumps(record, indent=1))
+    return record
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a job's or sweep's file; {} when it is missing, unreadable or cut short."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def job_record(path: Path) -> dict:
+    """The job's `job.json` (id and creation time); written now for a job directory that
+    predates it, so that its id stays stable from here on."""
+    try:
+        return json.loads((Path(path) / JOB_FILE).read_text())
+    except FileNotFoundError:
+        return _write_job_record(Path(path))
+
+
+def is_job_dir(path: Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file() and (Path(path) / PLACEMENT_JSON).is_file()
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP_FILE).is_file()
 
 
 def load_job_config(path: Path):

@@ -89,6 +89,18 @@ class ParallelLayout:
             s += " SP"
         return s
 
+    def slug(self) -> str:
+        """A short name for run names and sweep folders: the degrees above 1 in the order
+        tp, sp, cp, pp, vpp, ep, etp (only when it differs from tp), then dp always;
+        e.g. `dp2`, `tp2-sp-dp1`, `pp2-vpp2-dp1`, `ep2-dp2`."""
+        parts = [f"tp{self.tp}"] if self.tp > 1 else []
+        parts += ["sp"] if self.sp else []
+        parts += [f"{name}{getattr(self, name)}" for name in ("cp", "pp") if getattr(self, name) > 1]
+        parts += [f"vpp{self.vpp}"] if self.vpp and self.vpp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp != self.tp else []
+        return "-".join(parts + [f"dp{self.dp}"])
+
     # Rules of Megatron-Core's rank grid -----------------------------------
     def problems(self) -> list[str]:
         """Every way this layout cannot be built, each with the numbers and a fix."""

@@ -1,23 +1,32 @@
 """Parameter counts and FLOPs of a Llama/Mixtral-shaped decoder, from its config alone.
 
-MFU definition used everywhere in gridwright (stated so numbers are comparable):
+The one owner of "FLOPs per token" in gridwright. Two named definitions, because
+published MFU figures use both and differ by up to 15 % on long sequences:
 
-    model FLOPs per token = 3 x forward FLOPs per token            (backward = 2 x forward)
-    forward FLOPs per token = 2 x (active matmul parameters)        (one multiply-add = 2 FLOPs)
-                            + 4 x layers x seq_length x hidden      (QK^T and attention x V,
-                                                                     full S x S, causal mask
-                                                                     not discounted, as in
-                                                                     Megatron-LM and PaLM)
-    active matmul parameters = per layer: QKV + output projection + router
-                               + top-k experts (or the dense MLP) x 3 matrices (SwiGLU)
-                               + the output layer (hidden x vocab); embeddings excluded.
-    MFU = achieved model FLOP/s per GPU / the GPU's dense bf16 peak (or fp8 peak when
-          training in FP8).
-HFU adds the recomputed forward passes: 4 x forward with full recompute.
+``megatron`` (the default), Megatron-LM's ``num_floating_point_operations`` (2025 on):
+    per token = 3 (forward, weight-gradient and data-gradient GEMMs) x 2 (a multiply-add)
+      x [ matmul parameters on the token's path
+          = per layer: QKV (GQA: heads + 2 x query groups) + output projection
+                       + SwiGLU MLP (3 matrices), or top-k experts' MLPs for MoE
+          + the logit layer (hidden x vocab); embeddings and the MoE router not counted
+        + per layer: seq_length x (heads x head_dim) / 2 ]   attention scores and
+                                                               attention x V, causal:
+                                                               only half the S x S
+                                                               matrix is computed
+``palm`` (PaLM appendix B; TorchTitan): the same, with the attention term not halved
+    (12 x layers x seq_length x heads x head_dim per token) and the router counted.
+
+MFU = achieved FLOP/s per GPU (under a definition) / the GPU's dense peak (bf16, or
+fp8 for FP8 runs). HFU counts what the hardware executes: the model FLOPs plus the
+recomputed forward passes (selective recompute: the attention-score part of the
+forward again; full recompute: the whole forward again).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+DEFINITIONS = ("megatron", "palm")
+DEFAULT_DEFINITION = "megatron"
 
 
 @dataclass(frozen=True)
@@ -63,20 +72,61 @@ def param_counts(model) -> ParamCounts:
     )
 
 
-def forward_flops_per_token(model, seq_length: int) -> float:
+def _active_matmul_params(model, count_router: bool) -> int:
+    """Weights a token multiplies with: attention, its MLP (or top-k experts), the logits."""
     h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
     pc = param_counts(model)
-    mlp_active = (model.moe_router_topk * 3 * h * f) if model.num_experts else pc.dense_mlp_per_layer
-    matmul_params = L * (pc.attention_per_layer + pc.router_per_layer + mlp_active) + h * V
-    return 2.0 * matmul_params + 4.0 * L * seq_length * h
+    mlp = model.moe_router_topk * 3 * h * f if model.num_experts else pc.dense_mlp_per_layer
+    router = pc.router_per_layer if count_router else 0
+    return L * (pc.attention_per_layer + mlp + router) + h * V
 
 
-def model_flops_per_token(model, seq_length: int) -> float:
+def _attention_score_flops(model, seq_length: int) -> int:
+    """Forward FLOPs per token of Q K^T and scores x V with the full S x S matrix."""
+    attn_width = model.num_attention_heads * (model.hidden_size // model.num_attention_heads)
+    return 2 * 2 * model.num_layers * seq_length * attn_width
+
+
+def forward_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION) -> float:
+    if definition not in DEFINITIONS:
+        raise ValueError(f"unknown FLOPs definition '{definition}'; choose one of {', '.join(DEFINITIONS)}")
+    matmul = 2 * _active_matmul_params(model, count_router=definition == "palm")
+    scores = _attention_score_flops(model, seq_length)
+    return float(matmul + (scores / 2 if definition == "megatron" else scores))
+
+
+def model_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION) -> float:
     """Training FLOPs per token (forward + backward), the numerator of MFU."""
-    return 3.0 * forward_flops_per_token(model, seq_length)
+    return 3.0 * forward_flops_per_token(model, seq_length, definition)
 
 
-def hardware_flops_per_token(model, seq_length: int, recompute: str) -> float:
+def hardware_flops_per_token(model, seq_length: int, recompute: str,
+                             definition: str = DEFAULT_DEFINITION) -> float:
     """FLOPs the hardware executes, counting recomputed forward passes (HFU)."""
-    extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[recompute]
-    return (3.0 + extra) * forward_flops_per_token(model, seq_length)
+    model_flops = model_flops_per_token(model, seq_length, definition)
+    if recompute == "full":
+        return model_flops + forward_flops_per_token(model, seq_length, definition)
+    if recompute == "selective":  # Megatron recomputes the core attention only
+        scores = _attention_score_flops(model, seq_length)
+        return model_flops + (scores / 2 if definition == "megatron" else scores)
+    return model_flops
+
+
+def flops_per_token_all(model, seq_length: int) -> dict[str, float]:
+    """Model FLOPs per token under every definition, for records that name them all."""
+    return {d: model_flops_per_token(model, seq_length, d) for d in DEFINITIONS}
+
+
+def flops_record(cfg) -> dict:
+    """What every MFU number of a run is computed from: definition, FLOPs/token, peak."""
+    t = cfg.train
+    fp8 = cfg.precision.fp8_recipe is not None
+    gpu = cfg.cluster.gpu
+    definition = cfg.evaluate.flops_definition
+    return {
+        "flops_definition": definition,
+        "flops_per_token": flops_per_token_all(cfg.model, t.seq_length),
+        "hardware_flops_per_token": hardware_flops_per_token(cfg.model, t.seq_length, t.recompute, definition),
+        "peak_kind": "fp8" if fp8 else "bf16",
+        "peak_tflops": float(gpu.peak_fp8_tflops if fp8 else gpu.peak_bf16_tflops),
+    }

@@ -97,6 +97,9 @@ class ClusterConfig:
     gpus_per_node: int = 2  # processes per node on cpu
     nvlink_domain_size: int = 8  # GPUs that share one NVLink domain
     inter_node_gbps: float = 0.0  # per-GPU network bandwidth, GB/s
+    # A collective-cost profile (alpha-beta fits) measured on this cluster by
+    # `python -m gridwright.evaluations.bench_collectives`; None: no communication prediction.
+    comm_profile: Optional[str] = None
     gpu: GpuConfig = field(default_factory=GpuConfig)
 
 
@@ -169,6 +172,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvaluateConfig:
+    """What a run measures about itself beyond loss and throughput."""
+
+    # FLOPs definition behind `mfu` (gridwright.model_math): megatron (causal attention
+    # halved, as Megatron-LM) | palm (attention in full, as PaLM and TorchTitan).
+    flops_definition: str = "megatron"
+    # [first, last): steps traced with torch.profiler on every rank; None: no tracing.
+    profile_steps: Optional[list[int]] = None
+
+
+@dataclass
 class RunConfig:
     """The whole experiment, as composed by Hydra from `conf/`."""
 
@@ -187,3 +201,4 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)

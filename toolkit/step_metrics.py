@@ -1,4 +1,8 @@
-"""Throughput, MFU and memory of one training step (definitions in gridwright.model_math)."""
+"""Throughput, MFU and memory of one training step (definitions in gridwright.model_math).
+
+`mfu` is always under the run's `evaluate.flops_definition` (default megatron); `mfu_palm`
+beside it under the palm definition, so numbers compare with either school.
+"""
 from __future__ import annotations
 
 import resource
@@ -7,18 +11,20 @@ import time
 
 import torch
 
-from .model_math import hardware_flops_per_token, model_flops_per_token
+from .model_math import flops_record
 
 
 def timed_step(train_step, step: int, on_cuda: bool) -> dict:
     """Run one training step and add its wall time (after the GPU has finished) as step_time_s."""
     if on_cuda:
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    metrics = train_step(step)
-    if on_cuda:
-        torch.cuda.synchronize()
-    metrics["step_time_s"] = time.perf_counter() - start
+    # The range marks, in a profiler trace, exactly the interval the timer measures.
+    with torch.profiler.record_function(f"gridwright_step_{step}"):
+        start = time.perf_counter()
+        metrics = train_step(step)
+        if on_cuda:
+            torch.cuda.synchronize()
+        metrics["step_time_s"] = time.perf_counter() - start
     return metrics
 
 
@@ -28,11 +34,11 @@ class StepMetrics:
         self.tokens_per_step = t.global_batch_size * t.seq_length
         self.world_size = world_size
         self.on_cuda = cfg.cluster.device == "cuda"
-        fp8 = cfg.precision.fp8_recipe is not None
-        peak = cfg.cluster.gpu.peak_fp8_tflops if fp8 else cfg.cluster.gpu.peak_bf16_tflops
-        self.peak_flops = peak * 1e12
-        self.model_flops = model_flops_per_token(cfg.model, t.seq_length)
-        self.hardware_flops = hardware_flops_per_token(cfg.model, t.seq_length, t.recompute)
+        self.record = flops_record(cfg)
+        self.peak_flops = self.record["peak_tflops"] * 1e12
+        self.model_flops = self.record["flops_per_token"][self.record["flops_definition"]]
+        self.palm_flops = self.record["flops_per_token"]["palm"]
+        self.hardware_flops = self.record["hardware_flops_per_token"]
 
     def memory_gib(self) -> dict[str, float]:
         if self.on_cuda:
@@ -49,8 +55,11 @@ class StepMetrics:
         tps = self.tokens_per_step / raw["step_time_s"]
         out["tokens_per_s"] = tps
         out["tokens_per_s_per_gpu"] = tps / self.world_size
-        if self.peak_flops > 0:
-            out["mfu"] = out["tokens_per_s_per_gpu"] * self.model_flops / self.peak_flops
-            out["hfu"] = out["tokens_per_s_per_gpu"] * self.hardware_flops / self.peak_flops
+        per_gpu = out["tokens_per_s_per_gpu"]
+        out["tflops_per_gpu"] = per_gpu * self.model_flops / 1e12
+        if self.peak_flops > 0:  # unknown peak (CPU): no MFU rather than a made-up one
+            out["mfu"] = per_gpu * self.model_flops / self.peak_flops
+            out["mfu_palm"] = per_gpu * self.palm_flops / self.peak_flops
+            out["hfu"] = per_gpu * self.hardware_flops / self.peak_flops
         out.update(self.memory_gib())
         return out

@@ -1,30 +1,63 @@
 """MLflow: every run is an MLflow run, in a local SQLite store unless told otherwise.
 
-The launching process opens the run (params, tags, config and placement artifacts) and
-hands its id to the workers through MLFLOW_RUN_ID; the one logging rank adds per-step
-metrics. Jobs emitted for Slurm or multi-node torchrun have no launching process on the
-cluster, so there the logging rank opens the run itself.
+One owner for what a job's run holds (`job_params`, `job_tags`) and for logging a job
+directory's files (`log_job_results`), used both live and afterwards:
+
+* live: the launching process opens the run (`open_run`: params, tags, config, placement
+  and plan artifacts) and hands its id to the workers through MLFLOW_RUN_ID; the one
+  logging rank adds per-step metrics; `close_run` logs the results from the job directory.
+  Jobs emitted for Slurm or multi-node torchrun have no launching process on the cluster,
+  so there the logging rank opens the run itself.
+* afterwards: `log_job_dir` and `log_sweep` log job and sweep directories written without
+  MLflow (`python -m gridwright.sync`), found again by their stable ids, so twice is once.
+
+A `-m` sweep is one parent run with a nested run per point (tag `mlflow.parentRunId`).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .jobdir import CONFIG_FILE, PLACEMENT_CSV, PLACEMENT_JSON
+from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, SUMMARY_FILE,
+                     job_record, load_job_config, read_json)
+from .layout import ParallelLayout
+from .sweep_report import COMM_PROFILE_PNG, SweepReport, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# Without this tag the MLflow 3 UI opens an experiment on its (empty) GenAI page.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+PARENT_TAG = "mlflow.parentRunId"
+JOB_ID_TAG = "gridwright.job_id"
+SWEEP_ID_TAG = "gridwright.sweep_id"
+SWEEP_POINT_TAG = "gridwright.sweep_point"
+STATUS_TAG = "gridwright.status"  # finished | failed | invalid | planned
+ERROR_TAG = "gridwright.error"
+MLFLOW_STATUS = {"finished": "FINISHED", "planned": "FINISHED", "failed": "FAILED", "invalid": "FAILED"}
 
-def tracking_uri(cfg) -> str:
-    """MLFLOW_TRACKING_URI wins (a remote server); else the configured store, made absolute."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri
+SETUP_FILES = (CONFIG_FILE, PLACEMENT_JSON, PLACEMENT_CSV, PLAN_FILE)
+RESULT_FILES = (SUMMARY_FILE, METRICS_FILE, "communication.json", COMM_PROFILE_PNG)
+TRACES_DIR = "traces"
+MAX_PARAM_CHARS = 6000
+
+
+# Store and experiment -------------------------------------------------------
+def absolute_uri(uri: str) -> str:
+    """A relative SQLite path made absolute (against the current directory)."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         uri = prefix + str(Path(uri[len(prefix):]).resolve())
     return uri
+
+
+def tracking_uri(cfg) -> str:
+    """MLFLOW_TRACKING_URI wins (a remote server); else the configured store, made absolute."""
+    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
 
 
 def _artifact_location(uri: str) -> str | None:
@@ -34,6 +67,39 @@ def _artifact_location(uri: str) -> str | None:
     return None
 
 
+def client_for(uri: str):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    """The experiment's id, created if needed, tagged so that the UI opens it on its runs."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, artifact_location=_artifact_location(uri), tags=EXPERIMENT_TAGS)
+        except MlflowException:  # created meanwhile by another process
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    for key, value in EXPERIMENT_TAGS.items():
+        if exp.tags.get(key) != value:
+            client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
+
+
+def find_run(client, exp_id: str, tag: str, value: str):
+    """The (not deleted) run of this experiment whose `tag` is `value`, or None."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=1)
+    return runs[0] if runs else None
+
+
+# What a job's run holds ----------------------------------------------------
 def flatten(cfg) -> dict[str, str]:
     out = {}
 
@@ -48,6 +114,48 @@ def flatten(cfg) -> dict[str, str]:
     return out
 
 
+def _number(x: float):
+    return int(x) if float(x).is_integer() else round(x, 6)
+
+
+def derived_params(cfg, layout: ParallelLayout) -> dict[str, str]:
+    """Degrees and batch arithmetic that the config implies; those an invalid layout leaves
+    undefined (a zero divisor) are left out."""
+    out = {"derived.world_size": layout.world_size}
+    if layout.model_parallel_size > 0:
+        out["derived.dp"] = layout.dp
+        if layout.dp > 0 and cfg.train.micro_batch_size > 0:
+            out["derived.accumulation"] = _number(
+                cfg.train.global_batch_size / (cfg.train.micro_batch_size * layout.dp))
+    if layout.expert_model_parallel_size > 0:
+        out["derived.expert_dp"] = layout.expert_dp
+    return {k: str(v) for k, v in out.items()}
+
+
+def plan_params(job_dir: Path | None) -> dict[str, str]:
+    """FLOPs, peak and memory estimate from the job's plan.json; {} without one."""
+    plan = read_json(Path(job_dir) / PLAN_FILE) if job_dir is not None else {}
+    flops = plan.get("flops_per_token") if isinstance(plan.get("flops_per_token"), dict) else {}
+    out = {
+        "flops.definition": plan.get("flops_definition"),
+        "flops.per_token_megatron": flops.get("megatron"),
+        "flops.per_token_palm": flops.get("palm"),
+        "flops.peak_tflops": plan.get("peak_tflops"),
+        "flops.peak_kind": plan.get("peak_kind"),
+        "memory.estimate_gib": plan.get("memory_estimate_gib"),
+    }
+    return {k: str(v) for k, v in out.items() if v is not None}
+
+
+def job_params(cfg, layout: ParallelLayout, job_dir: Path | None = None) -> dict[str, str]:
+    """The params of a job's run: the flattened config, derived degrees, and the plan."""
+    return {**flatten(cfg), **derived_params(cfg, layout), **plan_params(job_dir)}
+
+
+def run_name(cfg, layout: ParallelLayout) -> str:
+    return f"{cfg.name} {layout.slug()}"
+
+
 def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
@@ -59,18 +167,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def open_run(cfg, job_dir: Path, layout) -> str:
-    """Create the MLflow run of a job with its params, tags and artifacts; return its id."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    uri = tracking_uri(cfg)
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        cfg.tracking.experiment, artifact_location=_artifact_location(uri))
-    tags = {
+def job_tags(cfg, layout: ParallelLayout, job_dir: Path) -> dict[str, str]:
+    return {
         "gridwright.experiment": cfg.name,
         "gridwright.engine": cfg.engine.name,
         "gridwright.layout": layout.describe(),
@@ -79,18 +177,127 @@ def open_run(cfg, job_dir: Path, layout) -> str:
         "gridwright.gpu": cfg.cluster.gpu.name,
         "gridwright.launcher": cfg.launcher.name,
         "gridwright.job_dir": str(job_dir),
+        JOB_ID_TAG: job_record(job_dir)["job_id"],
         "mlflow.source.git.commit": git_commit(),
     }
-    run = client.create_run(exp_id, run_name=job_dir.name, tags=tags)
-    run_id = run.info.run_id
+
+
+def _log_params(client, run_id: str, params: dict[str, str]) -> None:
     from mlflow.entities import Param
 
-    params = [Param(k, v[:6000]) for k, v in flatten(cfg).items()]
-    for i in range(0, len(params), 100):
-        client.log_batch(run_id, params=params[i:i + 100])
-    for name in (CONFIG_FILE, PLACEMENT_JSON, PLACEMENT_CSV):
-        client.log_artifact(run_id, str(job_dir / name))
+    batch = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
+    for i in range(0, len(batch), 100):
+        client.log_batch(run_id, params=batch[i:i + 100])
+
+
+def _log_metrics(client, run_id: str, metrics) -> None:
+    batch = list(metrics)
+    for i in range(0, len(batch), 1000):
+        client.log_batch(run_id, metrics=batch[i:i + 1000])
+
+
+def create_job_run(client, exp_id: str, cfg, layout: ParallelLayout, job_dir: Path, *,
+                   tags: dict | None = None, start_time: int | None = None) -> str:
+    """A new run for the job in `job_dir`: name, tags, params and the planning artifacts."""
+    run = client.create_run(exp_id, start_time=start_time, run_name=run_name(cfg, layout),
+                            tags={**job_tags(cfg, layout, job_dir), **(tags or {})})
+    run_id = run.info.run_id
+    _log_params(client, run_id, job_params(cfg, layout, job_dir))
+    for name in SETUP_FILES:
+        if (job_dir / name).is_file():
+            client.log_artifact(run_id, str(job_dir / name))
     return run_id
+
+
+# A job directory's results ---------------------------------------------------
+def numeric_items(record: dict, prefix: str = ""):
+    """(dotted key, float) for every number in a nested dict; booleans and text skipped."""
+    for key, value in record.items():
+        if isinstance(value, dict):
+            yield from numeric_items(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+            yield f"{prefix}{key}", float(value)
+
+
+def _step_metrics(job_dir: Path, start_ms: int):
+    """metrics.jsonl as MLflow metrics; each step timed by the step times before it."""
+    from mlflow.entities import Metric
+
+    path = job_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    out, clock = [], float(start_ms)
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed run
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        clock += 1000 * float(row.get("step_time_s") or 0)
+        out += [Metric(k, v, int(clock), int(row["step"])) for k, v in numeric_items(row) if k != "step"]
+    return out
+
+
+def last_write_ms(job_dir: Path) -> int:
+    """When anything in the job directory was last written (its run's end time)."""
+    times = [p.stat().st_mtime for p in Path(job_dir).rglob("*") if p.is_file()]
+    return int(1000 * max(times, default=time.time()))
+
+
+def job_outcome(cfg, job_dir: Path) -> str:
+    """finished when the run left a summary; planned for a plan-only job; else failed."""
+    if (job_dir / SUMMARY_FILE).is_file():
+        return "finished"
+    return "planned" if cfg.launcher.name == "plan" else "failed"
+
+
+def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -> None:
+    """What a run left in its job directory: the summary as `summary.*` metrics, the result
+    files and traces as artifacts, and (when not logged live) every line of metrics.jsonl."""
+    from mlflow.entities import Metric
+
+    job_dir = Path(job_dir)
+    if step_metrics:
+        _log_metrics(client, run_id, _step_metrics(job_dir, job_record(job_dir)["created_ms"]))
+    summary = read_json(job_dir / SUMMARY_FILE)
+    if summary:
+        stamp = last_write_ms(job_dir)
+        _log_metrics(client, run_id, [Metric(f"summary.{k}", v, stamp, 0) for k, v in numeric_items(summary)])
+    for name in RESULT_FILES:
+        if (job_dir / name).is_file():
+            client.log_artifact(run_id, str(job_dir / name))
+    if (job_dir / TRACES_DIR).is_dir():
+        client.log_artifacts(run_id, str(job_dir / TRACES_DIR), artifact_path=TRACES_DIR)
+
+
+def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None,
+                tags: dict | None = None) -> tuple[str, bool]:
+    """Log a job directory as one run unless a run with its job id exists already.
+    Returns (run id, whether it was created now)."""
+    job_dir = Path(job_dir).resolve()
+    record = job_record(job_dir)
+    existing = find_run(client, exp_id, JOB_ID_TAG, record["job_id"])
+    if existing is not None:
+        return existing.info.run_id, False
+    cfg = load_job_config(job_dir)
+    layout = ParallelLayout.from_config(cfg)
+    status = status or job_outcome(cfg, job_dir)
+    run_id = create_job_run(client, exp_id, cfg, layout, job_dir, start_time=record.get("created_ms"),
+                            tags={**(tags or {}), STATUS_TAG: status})
+    log_job_results(client, run_id, job_dir, step_metrics=True)
+    client.set_terminated(run_id, status=MLFLOW_STATUS[status], end_time=last_write_ms(job_dir))
+    return run_id, True
+
+
+# Live runs -----------------------------------------------------------------
+def open_run(cfg, job_dir: Path, layout, tags: dict | None = None) -> str:
+    """Create the MLflow run of a job about to start (params, tags, config, placement and
+    plan artifacts); `tags` may nest it under a sweep's run. Returns its id."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    exp_id = experiment_id(client, cfg.tracking.experiment, uri)
+    return create_job_run(client, exp_id, cfg, layout, Path(job_dir), tags=tags)
 
 
 class MetricsLogger:
@@ -103,8 +310,6 @@ class MetricsLogger:
         self.run_id = run_id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -118,7 +323,93 @@ class MetricsLogger:
         self.client.set_tag(self.run_id, key, value)
 
 
-def close_run(cfg, run_id: str, ok: bool) -> None:
-    from mlflow.tracking import MlflowClient
+def close_run(cfg, run_id: str, ok: bool, job_dir: Path | None = None) -> None:
+    """End a live run; with `job_dir`, first log what the run left there (as sync would)."""
+    client = client_for(tracking_uri(cfg))
+    if job_dir is not None:
+        log_job_results(client, run_id, Path(job_dir), step_metrics=False)
+    client.set_tag(run_id, STATUS_TAG, "finished" if ok else "failed")
+    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
 
-    MlflowClient(tracking_uri(cfg)).set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+
+# Sweeps ---------------------------------------------------------------------
+def sweep_run(client, exp_id: str, sweep_dir: Path, record) -> tuple[str, bool]:
+    """The parent run of a sweep (found by the sweep's id, else created)."""
+    existing = find_run(client, exp_id, SWEEP_ID_TAG, record.id)
+    if existing is not None:
+        return existing.info.run_id, False
+    tags = {
+        SWEEP_ID_TAG: record.id,
+        "gridwright.experiment": record.experiment,
+        "gridwright.sweep_dir": str(sweep_dir),
+        "gridwright.overrides": " ".join(record.overrides)[:5000],
+        "mlflow.source.git.commit": git_commit(),
+    }
+    run = client.create_run(exp_id, start_time=record.started_ms, run_name=record.name, tags=tags)
+    _log_params(client, run.info.run_id, {"sweep.overrides": " ".join(record.overrides)})
+    return run.info.run_id, True
+
+
+def _override_params(overrides: list[str]) -> dict[str, str]:
+    """`key=value` command-line overrides as params (`+experiment=x` gives `experiment`)."""
+    out = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def log_sweep_point(client, exp_id: str, sweep_dir: Path, record, point: dict, parent_run_id: str) -> tuple[str, bool]:
+    """One point of a sweep as a run nested under the sweep's run, unless already logged.
+    A point with a job directory is logged as that job; an invalid point, which has none,
+    from its record in sweep.json (its overrides as params, the error as a tag)."""
+    tags = {PARENT_TAG: parent_run_id, SWEEP_POINT_TAG: str(point["num"])}
+    job_dir = record.job_dir_of(point, sweep_dir)
+    if job_dir is not None and job_dir.is_dir():
+        return log_job_dir(client, exp_id, job_dir, status=point["status"], tags=tags)
+    existing = find_run(client, exp_id, JOB_ID_TAG, point["job_id"])
+    if existing is not None:
+        return existing.info.run_id, False
+    tags.update({JOB_ID_TAG: point["job_id"], STATUS_TAG: point["status"], "gridwright.experiment": record.experiment,
+                 "gridwright.layout": point.get("layout", ""), "mlflow.source.git.commit": git_commit()})
+    if point.get("error"):
+        tags[ERROR_TAG] = point["error"][:5000]
+    run = client.create_run(exp_id, start_time=point.get("started_ms"), run_name=point["name"], tags=tags)
+    _log_params(client, run.info.run_id, _override_params(point.get("overrides", [])))
+    client.set_terminated(run.info.run_id, status=MLFLOW_STATUS.get(point["status"], "FAILED"),
+                          end_time=point.get("ended_ms"))
+    return run.info.run_id, True
+
+
+def finish_sweep(client, parent_run_id: str, sweep_dir: Path, record, report: SweepReport) -> None:
+    """The parent's comparison table, plots and best point; then its end."""
+    from mlflow.entities import Metric
+
+    for path in report.files:
+        client.log_artifact(parent_run_id, str(path))
+    for path in (sweep_dir / "sweep.json", sweep_dir / "multirun.yaml"):
+        if path.is_file():
+            client.log_artifact(parent_run_id, str(path))
+    stamp = record.ended_ms or int(time.time() * 1000)
+    client.set_tag(parent_run_id, "gridwright.points", report.counts_text())
+    if report.best is not None:
+        client.set_tag(parent_run_id, "gridwright.best_point", f"#{report.best['num']} {report.best['name']}")
+        client.set_tag(parent_run_id, "gridwright.best_by", report.best_by)
+        _log_metrics(client, parent_run_id, [Metric(f"best_{k}", v, stamp, 0) for k, v in report.best_metrics().items()])
+    ended = record.status == "finished"
+    client.set_tag(parent_run_id, STATUS_TAG, record.status if ended else "interrupted")
+    client.set_terminated(parent_run_id, status="FINISHED" if ended else "KILLED", end_time=stamp)
+
+
+def log_sweep(client, exp_id: str, sweep_dir: Path, record) -> tuple[str, int]:
+    """A sweep directory as a parent run with a nested run per point, idempotently: only
+    what is missing is logged; the parent's report is (re)made when anything was.
+    Returns (parent run id, runs created)."""
+    parent, created = sweep_run(client, exp_id, sweep_dir, record)
+    count = int(created)
+    for point in record.points:
+        count += log_sweep_point(client, exp_id, sweep_dir, record, point, parent)[1]
+    if count or client.get_run(parent).info.status == "RUNNING":
+        finish_sweep(client, parent, sweep_dir, record, write_report(sweep_dir, record))
+    return parent, count

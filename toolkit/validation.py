@@ -22,6 +22,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+FLOPS_DEFINITIONS = ("megatron", "palm")  # gridwright.model_math.DEFINITIONS
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,7 @@ def check_choices(cfg) -> list[str]:
         ("train.recompute", cfg.train.recompute, RECOMPUTE),
         ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
         ("model.family", cfg.model.family, FAMILIES),
+        ("evaluate.flops_definition", cfg.evaluate.flops_definition, FLOPS_DEFINITIONS),
     ):
         if value not in allowed:
             out.append(f"{path}='{value}' is not one of {', '.join(allowed)}.")
@@ -383,6 +385,30 @@ def check_memory(cfg, layout: ParallelLayout) -> list[str]:
     return []
 
 
+def check_evaluate(cfg) -> list[str]:
+    """The profiling window must lie inside the run, and a named comm profile must exist."""
+    out = []
+    window = cfg.evaluate.profile_steps
+    steps = cfg.train.steps
+    if window is not None:
+        if len(window) != 2 or not 0 <= window[0] < window[1] <= steps:
+            out.append(
+                f"evaluate.profile_steps={list(window)} must be [first, last) with "
+                f"0 <= first < last <= train.steps={steps}, e.g. [{min(2, steps - 1)}, {steps}]. "
+                "Fix: pick steps after the first (it includes warm-up)."
+            )
+        if cfg.engine.name != "megatron":
+            out.append("evaluate.profile_steps is implemented for engine=megatron only.")
+    prof = cfg.cluster.comm_profile
+    if prof is not None and not os.path.isfile(prof):
+        out.append(
+            f"cluster.comm_profile={prof} does not exist. Fix: measure one with "
+            "`torchrun --nproc_per_node N -m gridwright.evaluations.bench_collectives --out FILE`, "
+            "or set cluster.comm_profile=null."
+        )
+    return out
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -402,6 +428,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
     problems += check_launcher(cfg)
     problems += check_checkpoint(cfg)
     problems += check_data(cfg)
+    problems += check_evaluate(cfg)
     placement = None
     if not problems:
         placement = plan_placement(layout)

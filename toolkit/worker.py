@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from .atomic_io import write_text_atomic
-from .jobdir import METRICS_FILE, PLACEMENT_JSON, RANKS_DIR, SUMMARY_FILE, load_job_config
+from .jobdir import METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config
 from .layout import ParallelLayout
 from .step_metrics import StepMetrics
+from .trace_analysis import COMMUNICATION_FILE
 
 # gridwright's placement names -> Megatron-Core's group getters in observed_coordinates().
 CHECKED_GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
@@ -78,12 +79,22 @@ class Reporter:
             "tokens_per_s_per_gpu": sum(h["tokens_per_s_per_gpu"] for h in steady) / len(steady),
             **extra,
         }
-        if "mfu" in self.history[-1]:
-            summary["mfu"] = sum(h["mfu"] for h in steady) / len(steady)
+        summary.update(self.metrics.record)
+        summary["tflops_per_gpu"] = sum(h["tflops_per_gpu"] for h in steady) / len(steady)
+        for key in ("mfu", "mfu_palm", "hfu"):
+            if key in self.history[-1]:
+                summary[key] = sum(h[key] for h in steady) / len(steady)
+        peak_key = "memory_max_allocated_gib" if self.metrics.on_cuda else "memory_max_rss_gib"
+        summary["memory_peak_gib"] = max(h[peak_key] for h in self.history)
+        plan = self.job_dir / PLAN_FILE
+        if plan.exists():
+            summary["memory_estimate_gib"] = json.loads(plan.read_text()).get("memory_estimate_gib")
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
         if self.mlflow is not None:
             self.mlflow.log_artifact(self.job_dir / SUMMARY_FILE)
             self.mlflow.log_artifact(self.job_dir / METRICS_FILE)
+            if (self.job_dir / COMMUNICATION_FILE).exists():
+                self.mlflow.log_artifact(self.job_dir / COMMUNICATION_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,8 +126,34 @@ def main(argv: list[str] | None = None) -> int:
         from .engines.deepspeed_engine import run_training
     run_training(cfg, layout, on_step, on_start, job_dir=job_dir)
     if "reporter" in state:
-        state["reporter"].finish({"layer_spec": state["spec"], "placement_verified": True})
+        extra = {"layer_spec": state["spec"], "placement_verified": True}
+        if cfg.evaluate.profile_steps is not None:
+            extra["communication"] = evaluate_communication(cfg, layout, job_dir)
+        state["reporter"].finish(extra)
     return 0
+
+
+def evaluate_communication(cfg, layout: ParallelLayout, job_dir: Path) -> dict:
+    """Analyse every rank's trace (all were written before training's final barrier)."""
+    from .trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report, summary_of
+
+    try:
+        doc = analyze(job_dir)
+    except TraceError as e:
+        doc = {"available": False, "reason": str(e)}
+    if cfg.cluster.comm_profile:
+        from .comm_model import CommProfile, predict_step_communication
+
+        doc["predicted"] = predict_step_communication(cfg, layout, CommProfile.load(cfg.cluster.comm_profile))
+    write_text_atomic(job_dir / COMMUNICATION_FILE, json.dumps(doc, indent=1))
+    print(format_report(doc), flush=True)
+    out = summary_of(doc)
+    for group, pred in (doc.get("predicted") or {}).items():
+        if out.get("available", True) and "by_group" in out:
+            entry = out["by_group"].setdefault(group, {})
+            entry["predicted_s"] = pred.get("seconds")
+            entry["predicted_bytes"] = pred.get("bytes")
+    return out
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..data_source import make_source
 from ..layout import ParallelLayout
+from ..profiling import ProfileWindow
 from ..step_metrics import timed_step
 from ..validation import transformer_engine_available
 from . import megatron_checkpoint
@@ -274,8 +275,11 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
             first_step = megatron_checkpoint.load(trainer, ck.load, weights_only=ck.weights_only)
         if on_start is not None:
             on_start(trainer)
+        window = ProfileWindow(cfg, job_dir or ".", dist.get_rank())
         for step in range(first_step, cfg.train.steps):
+            window.before_step(step)
             metrics = timed_step(trainer.train_step, step, on_cuda=not on_cpu)
+            window.after_step(step, metrics["step_time_s"])
             done = step + 1
             every = cfg.data.eval_interval
             if every and (done % every == 0 or done == cfg.train.steps):

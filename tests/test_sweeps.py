@@ -1,0 +1,201 @@
+"""Evaluation sweeps in MLflow: `python launch.py -m ...` as one parent run with a nested run
+per point, sweep.json, the comparison report, and `python -m gridwright.sync` afterwards.
+
+Three sweeps, each run once per module and read back through a real SQLite MLflow store:
+a plan-only layout sweep, a tracked training sweep, and an untracked one that is synced.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import launch
+
+INVALID_TP3 = "world size 2 (cluster.nodes x cluster.gpus_per_node) is not divisible by TP*PP*CP = 3*1*1 = 3"
+
+
+def sweep(tmp: Path, *args) -> Path:
+    """Run `launch.py -m ARGS` with its job root and store in `tmp`; return the sweep directory."""
+    result = launch(["-m", *args, f"job_root={tmp / 'jobs'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"],
+                    cwd=tmp, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (sweep_dir,) = (tmp / "jobs" / "sweeps" / "tiny_llama_cpu").iterdir()
+    return sweep_dir
+
+
+def sync(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
+    return subprocess.run([sys.executable, "-m", "gridwright.sync", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def runs_of(db: Path) -> dict:
+    """Runs of the `gridwright` experiment by name (parent: the one without a parent)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("gridwright")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    runs = client.search_runs([exp.experiment_id])
+    return client, {r.info.run_name: r for r in runs}
+
+
+def artifacts(client, run) -> set:
+    return {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+@pytest.fixture(scope="module")
+def plan_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plan")
+    return tmp, sweep(tmp, "parallel.tp=1,2,3", "launcher=plan")
+
+
+@pytest.fixture(scope="module")
+def training_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    return tmp, sweep(tmp, "parallel.tp=1,2", "train.steps=3")
+
+
+@pytest.fixture(scope="module")
+def offline_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offline")
+    return tmp, sweep(tmp, "parallel.tp=2,3", "train.steps=3", "tracking=off")
+
+
+def test_slug_names_the_degrees_above_one():
+    from gridwright.layout import ParallelLayout
+
+    def slug(world=2, **kw):
+        kw.setdefault("etp", kw.get("tp", 1))  # as from_config: expert TP defaults to TP
+        return ParallelLayout(world_size=world, gpus_per_node=8, nvlink_domain_size=8, **kw).slug()
+
+    assert slug() == "dp2"
+    assert slug(tp=2, sp=True) == "tp2-sp-dp1"
+    assert slug(pp=2, vpp=2) == "pp2-vpp2-dp1"
+    assert slug(ep=2, etp=1) == "ep2-dp2"
+    assert slug(world=8, tp=2, sp=True) == "tp2-sp-dp4"
+    assert slug(world=16, tp=2, cp=2, pp=2, ep=2, etp=1) == "tp2-cp2-pp2-ep2-etp1-dp2"
+
+
+def test_job_params_without_a_plan(compose, tmp_path):
+    from gridwright.layout import ParallelLayout
+    from gridwright.tracking import job_params
+
+    cfg = compose("parallel.tp=2")
+    params = job_params(cfg, ParallelLayout.from_config(cfg), tmp_path)  # no plan.json here
+    assert params["derived.dp"] == "1" and params["derived.accumulation"] == "4"
+    assert params["derived.world_size"] == "2" and params["derived.expert_dp"] == "1"
+    assert params["parallel.tp"] == "2" and not any(k.startswith(("flops.", "memory.")) for k in params)
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "flops_per_token": {"megatron": 1.5e9, "palm": 1.7e9}, "flops_definition": "megatron",
+        "peak_tflops": 989.0, "peak_kind": "bf16", "params": {"total": 8}, "memory_estimate_gib": None}))
+    params = job_params(cfg, ParallelLayout.from_config(cfg), tmp_path)
+    assert params["flops.per_token_palm"] == "1700000000.0" and params["flops.peak_kind"] == "bf16"
+    assert "memory.estimate_gib" not in params  # null: not estimated
+
+
+def test_plan_sweep_is_one_parent_with_a_nested_run_per_point(plan_sweep):
+    tmp, sweep_dir = plan_sweep
+    record = json.loads((sweep_dir / "sweep.json").read_text())
+    assert record["overrides"][:2] == ["parallel.tp=1,2,3", "launcher=plan"] and record["status"] == "finished"
+    points = record["points"]
+    assert [(p["num"], p["status"], p["job_dir"]) for p in points] == [
+        (0, "planned", "0-dp2"), (1, "planned", "1-tp2-dp1"), (2, "invalid", None)]
+    assert points[2]["error"].startswith(INVALID_TP3) and "\n" not in points[2]["error"]
+    assert (sweep_dir / "1-tp2-dp1" / "placement.json").is_file() and not (tmp / "jobs" / "tiny_llama_cpu").exists()
+
+    client, runs = runs_of(tmp / "mlflow.db")
+    parent = runs["tiny_llama_cpu sweep parallel.tp=1,2,3"]
+    assert set(runs) == {parent.info.run_name, "tiny_llama_cpu dp2", "tiny_llama_cpu tp2-dp1", "tiny_llama_cpu tp3-dp0"}
+    assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
+    assert {"comparison.md", "comparison.csv", "sweep.json"} <= artifacts(client, parent)
+    for name, status, tag in (("dp2", "FINISHED", "planned"), ("tp2-dp1", "FINISHED", "planned"),
+                              ("tp3-dp0", "FAILED", "invalid")):
+        run = runs[f"tiny_llama_cpu {name}"]
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert (run.info.status, run.data.tags["gridwright.status"]) == (status, tag), name
+    planned = runs["tiny_llama_cpu tp2-dp1"].data.params
+    assert planned["derived.dp"] == "1" and planned["derived.accumulation"] == "4" and planned["parallel.tp"] == "2"
+    invalid = runs["tiny_llama_cpu tp3-dp0"]
+    assert invalid.data.tags["gridwright.error"].startswith(INVALID_TP3) and invalid.data.params["parallel.tp"] == "3"
+
+
+def test_single_plan_does_not_touch_mlflow(tmp_path):
+    result = launch(["launcher=plan", f"job_root={tmp_path / 'jobs'}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "jobs" / "sweeps").exists()
+
+
+def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
+    tmp, sweep_dir = training_sweep
+    client, runs = runs_of(tmp / "mlflow.db")
+    parent = runs["tiny_llama_cpu sweep parallel.tp=1,2"]
+    assert len(runs) == 3 and parent.info.status == "FINISHED"
+    for name in ("dp2", "tp2-dp1"):
+        run = runs[f"tiny_llama_cpu {name}"]
+        assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert len(client.get_metric_history(run.info.run_id, "loss")) == 3
+        assert run.data.metrics["summary.steps"] == 3
+        assert {"config.yaml", "plan.json", "summary.json", "metrics.jsonl"} <= artifacts(client, run)
+    assert {"comparison.md", "comparison.csv", "throughput.png"} <= artifacts(client, parent)
+    best = parent.data.tags["gridwright.best_point"]
+    assert best in ("#0 tiny_llama_cpu dp2", "#1 tiny_llama_cpu tp2-dp1")
+    assert parent.data.metrics["best_tokens_per_s_per_gpu"] > 0
+    table = (sweep_dir / "comparison.md").read_text()
+    assert "| 1 | tiny_llama_cpu tp2-dp1 | `parallel.tp=2` | finished | TP=2 PP=1 CP=1 DP=1 |" in table
+    rows = (sweep_dir / "comparison.csv").read_text().splitlines()
+    assert rows[0].startswith("num,name,point,status,layout,tokens_per_s_per_gpu,mfu,mfu_palm,step_time_ms")
+    assert len(rows) == 3
+
+
+def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep):
+    tmp, sweep_dir = offline_sweep
+    assert not (tmp / "mlflow.db").exists()  # tracking=off: nothing touched MLflow
+    points = json.loads((sweep_dir / "sweep.json").read_text())["points"]
+    assert [p["status"] for p in points] == ["finished", "invalid"]
+    first = sync(sweep_dir, cwd=tmp)
+    assert first.returncode == 0 and "with 3 new run(s)" in first.stdout, first
+    client, runs = runs_of(tmp / "mlflow.db")
+    second = sync(sweep_dir, cwd=tmp)
+    assert second.returncode == 0 and second.stdout.startswith("already logged: "), second
+    _, again = runs_of(tmp / "mlflow.db")
+    assert {n: r.info.run_id for n, r in again.items()} == {n: r.info.run_id for n, r in runs.items()}
+
+    parent = runs["tiny_llama_cpu sweep parallel.tp=2,3"]
+    synced = runs["tiny_llama_cpu tp2-dp1"]
+    assert (synced.info.status, runs["tiny_llama_cpu tp3-dp0"].info.status) == ("FINISHED", "FAILED")
+    assert synced.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert synced.info.start_time < synced.info.end_time
+    assert {"comparison.md", "comparison.csv", "throughput.png", "sweep.json"} <= artifacts(client, parent)
+    history = [json.loads(l) for l in (sweep_dir / points[0]["job_dir"] / "metrics.jsonl").read_text().splitlines()]
+    loss = sorted(client.get_metric_history(synced.info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.value for m in loss] == pytest.approx([h["loss"] for h in history])
+
+    # The same point logged live (tracked sweep) and afterwards (sync) holds the same record.
+    live_client, live_runs = runs_of(training_sweep[0] / "mlflow.db")
+    live = live_runs["tiny_llama_cpu tp2-dp1"]
+    ignore = {"job_root", "tracking.enabled", "tracking.uri"}
+    assert {k for k in live.data.params if k not in ignore} == {k for k in synced.data.params if k not in ignore}
+    assert set(live.data.metrics) == set(synced.data.metrics)
+    live_loss = sorted(live_client.get_metric_history(live.info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.value for m in live_loss] == pytest.approx([m.value for m in loss], abs=1e-5)
+
+
+def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path):
+    tmp, sweep_dir = offline_sweep
+    job = sweep_dir / "0-tp2-dp1"
+    uri = f"sqlite:///{tmp_path / 'single.db'}"
+    assert sync(job, "--tracking-uri", uri, cwd=tmp_path).returncode == 0
+    second = sync(job, "--tracking-uri", uri, cwd=tmp_path)
+    assert second.returncode == 0 and second.stdout.startswith("already logged: ")
+    client, runs = runs_of(tmp_path / "single.db")
+    (run,) = runs.values()
+    assert run.info.run_name == "tiny_llama_cpu tp2-dp1" and run.info.status == "FINISHED"
+    assert run.data.tags["gridwright.job_id"] == json.loads((job / "job.json").read_text())["job_id"]
+
+    for bad in (tmp_path / "missing", sweep_dir.parent):
+        result = sync(bad, "--tracking-uri", f"sqlite:///{tmp_path / 'bad.db'}", cwd=tmp_path)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "bad.db").exists()

@@ -1,0 +1,61 @@
+"""`plan.json`: the numbers a plan predicts, written into every job directory.
+
+Parameter counts, FLOPs per token under every definition (and the one behind `mfu`), the
+peak MFU is measured against, the per-GPU memory estimate, the layout and its groups, and,
+when the cluster names a collective-cost profile, each group's predicted communication
+per step. Runs and sweeps compare their measurements against this record.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from .memory_estimate import estimate_memory
+from .model_math import flops_record, param_counts
+
+PLAN_FORMAT = "gridwright-plan/1"
+
+
+def plan_record(cfg, layout, placement) -> dict:
+    t = cfg.train
+    pc = param_counts(cfg.model)
+    memory = estimate_memory(cfg, layout) if cfg.cluster.device == "cuda" else None
+    doc = {
+        "format": PLAN_FORMAT,
+        "experiment": cfg.name,
+        "params": {"total": pc.total, **asdict(pc)},
+        **flops_record(cfg),
+        "tokens_per_step": t.global_batch_size * t.seq_length,
+        "accumulation": t.global_batch_size // (t.micro_batch_size * layout.dp),
+        # Estimated only for GPU clusters (the check it feeds is against GPU memory).
+        "memory_estimate_gib": memory.total_gib if memory else None,
+        "memory_estimate": asdict(memory) | {"total_gib": memory.total_gib} if memory else None,
+        "layout": {**asdict(layout), "dp": layout.dp, "expert_dp": layout.expert_dp, "slug": layout.slug()},
+        "groups": {k: v.tolist() for k, v in placement.groups.items()},
+        "predicted_communication": None,
+    }
+    if cfg.cluster.comm_profile:
+        from .comm_model import CommProfile, predict_step_communication
+
+        doc["comm_profile"] = cfg.cluster.comm_profile
+        doc["predicted_communication"] = predict_step_communication(
+            cfg, layout, CommProfile.load(cfg.cluster.comm_profile))
+    return doc
+
+
+def plan_lines(doc: dict) -> list[str]:
+    """The plan record's lines in the printed plan."""
+    f = doc["flops_per_token"]
+    lines = [
+        f"FLOPs/token {f['megatron'] / 1e9:,.2f} G (megatron: causal attention halved)   "
+        f"{f['palm'] / 1e9:,.2f} G (palm: attention in full)   mfu uses {doc['flops_definition']}, "
+        f"peak {doc['peak_tflops']:g} TFLOP/s {doc['peak_kind']}",
+    ]
+    pred = doc.get("predicted_communication")
+    if pred:
+        parts = []
+        for group, rec in pred.items():
+            secs = rec.get("seconds")
+            parts.append(f"{group} {rec['bytes'] / 1e6:,.0f} MB" + (f" {secs * 1e3:,.1f} ms" if secs is not None else ""))
+        lines.append("comm/step   " + ("; ".join(parts) if parts else "none (every group has one rank)")
+                     + f"   (alpha-beta profile {doc['comm_profile']})")
+    return lines

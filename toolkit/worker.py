@@ -86,9 +86,14 @@ class Reporter:
                 summary[key] = sum(h[key] for h in steady) / len(steady)
         peak_key = "memory_max_allocated_gib" if self.metrics.on_cuda else "memory_max_rss_gib"
         summary["memory_peak_gib"] = max(h[peak_key] for h in self.history)
+        if self.metrics.on_cuda:
+            summary["memory_reserved_peak_gib"] = max(h["memory_max_reserved_gib"] for h in self.history)
         plan = self.job_dir / PLAN_FILE
         if plan.exists():
-            summary["memory_estimate_gib"] = json.loads(plan.read_text()).get("memory_estimate_gib")
+            estimate = json.loads(plan.read_text()).get("memory_estimate")
+            if estimate:  # the allocator's peak holds no CUDA context or NCCL buffers
+                summary["memory_estimate_gib"] = estimate["total_gib"]
+                summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
         if self.mlflow is not None:
             self.mlflow.log_artifact(self.job_dir / SUMMARY_FILE)

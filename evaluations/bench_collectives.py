@@ -45,12 +45,28 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 DTYPE_BYTES = 4  # float32, as nccl-tests' default
 
 
+def parse_bytes(text: str) -> int:
+    """1024, 2**30, 64K, 16M, 1G (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        if "**" in t:
+            base, exp = t.split("**")
+            return int(base) ** int(exp)
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 1024, 2**30, 64K, 1G)") from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="profile JSON to write (atomically)")
     ap.add_argument("--job-dir", help="time the groups of this job's placement.json")
-    ap.add_argument("--min-bytes", type=int, default=1024)
-    ap.add_argument("--max-bytes", type=int, default=None,
+    ap.add_argument("--min-bytes", type=parse_bytes, default=1024)
+    ap.add_argument("--max-bytes", type=parse_bytes, default=None,
                     help="largest message (default 1 GiB on GPUs, 64 MiB on CPUs)")
     ap.add_argument("--factor", type=int, default=2, help="size step: 2 (doubling) or 4")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per size")
@@ -218,12 +234,15 @@ def format_table(collective: str, n: int, label: str, points: list[tuple[int, fl
     lines = [f"# {collective} on groups of {n} {label}",
              f"# {'size(B)':>12} {'count':>11} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
     for size, sec in points:
-        lines.append(f"  {size:>12} {size // DTYPE_BYTES:>11} {sec * 1e6:>10.2f} "
-                     f"{alg_bandwidth(size, sec) / 1e9:>12.3f} {bus_bandwidth(collective, n, size, sec) / 1e9:>12.3f}")
+        algbw, busbw = alg_bandwidth(size, sec) / 1e9, bus_bandwidth(collective, n, size, sec) / 1e9
+        lines.append(f"  {size:>12} {size // DTYPE_BYTES:>11} {sec * 1e6:>10.2f} {algbw:>12.3f} {busbw:>12.3f}")
     return "\n".join(lines)
 
 
 def run(args) -> CommProfile | None:
+    if "RANK" not in os.environ:
+        raise SystemExit("start this under torchrun: torchrun --nproc_per_node N -m "
+                         "gridwright.evaluations.bench_collectives --out profile.json")
     r = _Runner(args.device)
     max_bytes = args.max_bytes or (2**30 if r.cuda else 2**26)
     sizes = message_sizes(args.min_bytes, max_bytes, args.factor)
@@ -246,7 +265,9 @@ def run(args) -> CommProfile | None:
     for kind_names, partition in partitions:
         n = len(partition[0])
         group, members = r.groups(partition)
-        label = f"({', '.join(kind_names)}; {len(partition)} groups)" if kind_names else f"({len(partition)} groups)"
+        label = f"({len(partition)} groups)"
+        if kind_names:
+            label = f"({', '.join(kind_names)}; {len(partition)} groups)"
         points: dict = {}
         for coll in COLLECTIVES:
             pts = []

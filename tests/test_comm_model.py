@@ -24,6 +24,7 @@ from gridwright.evaluations.bench_collectives import (
     actual_size,
     consecutive_partitions,
     message_sizes,
+    parse_bytes,
     partitions_from_placement,
 )
 from gridwright.layout import ParallelLayout
@@ -161,7 +162,9 @@ def test_dp2_stage0_one_all_reduce_of_fp32_gradients(compose):
 def test_dp2_stage1_reduce_scatter_and_param_all_gather(compose):
     r = _predict(compose, "zero=stage1", "precision=bf16")
     # gradients in fp32 (grad_reduce_in_fp32), parameters gathered in bf16
-    assert _tally(r["dp"]) == {("reduce_scatter", WHOLE * 4): 1, ("all_gather", WHOLE * 2): 1, ("all_reduce", 4): 1}
+    assert _tally(r["dp"]) == {
+        ("reduce_scatter", WHOLE * 4): 1, ("all_gather", WHOLE * 2): 1, ("all_reduce", 4): 1,
+    }
     # overlap_grad_reduce turns on Megatron's buckets: 217,664 = 2 x 100,000 + 17,664
     r = _predict(compose, "zero=stage1", "precision=bf16", "engine.overlap_grad_reduce=true",
                  "engine.bucket_size=100000")
@@ -172,6 +175,17 @@ def test_dp2_stage1_reduce_scatter_and_param_all_gather(compose):
     # default bucket max(40M, 1M x DP) holds all of it
     r = _predict(compose, "zero=stage1", "engine.overlap_grad_reduce=true")
     assert _tally(r["dp"])[("reduce_scatter", WHOLE * 4)] == 1
+
+
+def test_dp2_stage3_fsdp_gathers_every_micro_batch(compose):
+    # Megatron-FSDP: per micro-batch (2), each layer (a unit) and the rest (embedding, output,
+    # final norm: 32,832) gathered for forward and backward, gradients reduce-scattered.
+    r = _predict(compose, "zero=stage3")
+    rest = 2 * 16384 + 64
+    assert _tally(r["dp"]) == {
+        ("all_gather", LAYER * 4): 4 * 2 * 2, ("reduce_scatter", LAYER * 4): 4 * 2,
+        ("all_gather", rest * 4): 2 * 2, ("reduce_scatter", rest * 4): 2, ("all_reduce", 4): 1,
+    }
 
 
 def test_tp2_without_sp(compose):
@@ -265,17 +279,19 @@ def test_unmeasured_group_size_is_a_clear_error(compose):
 # The benchmark --------------------------------------------------------------------------
 def test_benchmark_group_plans():
     assert message_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    assert [parse_bytes(t) for t in ("1024", "2**30", "64K", "16MiB", "1G")] == [1024, 2**30, 2**16, 2**24, 2**30]
     assert actual_size("all_gather", 1000, 8) == 992  # whole float32 elements, n of them
     assert actual_size("all_gather", 16, 8) == 32  # at least one element a rank
     assert actual_size("all_reduce", 1030, 8) == 1028
     assert [len(p[0]) for _, p in consecutive_partitions(6)] == [2, 4, 6]
     assert consecutive_partitions(6)[1][1] == [[0, 1, 2, 3]]  # ranks 4, 5 sit out
-    doc = json.loads(plan_placement(ParallelLayout(8, 8, 8, tp=2, pp=2)).to_json())
+    doc = json.loads(plan_placement(ParallelLayout(8, 8, 8, tp=2, pp=2, etp=2)).to_json())
     parts = {tuple(kinds): groups for kinds, groups in partitions_from_placement(doc)}
     # kinds with identical groups are timed once: etp = tp, dp = dp_cp = edp (no CP, EP)
     assert parts[("tp", "etp", "etp_ep")] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert parts[("dp", "dp_cp", "edp")] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert parts[("pp",)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert parts[("mp",)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert ("cp",) not in parts and ("ep",) not in parts  # groups of one rank
 
 
@@ -285,7 +301,7 @@ def test_benchmark_runs_on_two_cpu_processes(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "gridwright.evaluations.bench_collectives", "--out", str(out), "--device", "cpu",
-         "--min-bytes", "1024", "--max-bytes", str(16 * 2**20), "--factor", "4", "--iters", "4", "--warmup", "1"],
+         "--min-bytes", "1K", "--max-bytes", "16M", "--factor", "4", "--iters", "4", "--warmup", "1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -96,6 +96,41 @@ def test_job_params_without_a_plan(compose, tmp_path):
     assert "memory.estimate_gib" not in params  # null: not estimated
 
 
+def test_report_compares_gpu_points(tmp_path):
+    """The table and plots from what GPU runs leave: MFU under both definitions (the other
+    one from plan.json's FLOPs ratio when a run reports only its own), the step breakdown."""
+    from gridwright.sweep import SweepRecord
+    from gridwright.sweep_report import write_report
+
+    plan = {"flops_per_token": {"megatron": 1.0e9, "palm": 1.2e9}, "memory_estimate_gib": 50.0}
+    comm = {"compute_s": 0.8, "exposed_comm_s": 0.15, "idle_s": 0.05, "step_s": 1.0,
+            "by_group": {"dp": {"comm_s": 0.2, "exposed_s": 0.05}, "tp": {"comm_s": 0.1, "exposed_s": 0.1}}}
+    summaries = {"0-tp2-dp4": {"mfu": 0.40, "mfu_palm": 0.48, "tokens_per_s_per_gpu": 9000.0, "mean_step_time_s": 1.0,
+                               "memory_peak_gib": 45.5, "memory_estimate_gib": 50.0, "communication": comm},
+                 "1-dp8": {"mfu": 0.54, "flops_definition": "palm", "tokens_per_s_per_gpu": 10000.0}}
+    points = []
+    for num, (name, summary) in enumerate(summaries.items()):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        (tmp_path / name / "plan.json").write_text(json.dumps(plan))
+        points.append({"num": num, "name": f"llama3_8b {name[2:]}", "slug": name[2:], "status": "finished",
+                       "job_dir": name, "layout": "", "overrides": [], "error": ""})
+    points.append({"num": 2, "name": "llama3_8b tp3-dp0", "slug": "tp3-dp0", "status": "invalid", "job_dir": None,
+                   "layout": "", "overrides": [], "error": "TP=3 does not divide 8"})
+    record = SweepRecord(id="x", name="llama3_8b sweep parallel.tp=1,2,3", experiment="llama3_8b",
+                         overrides=["parallel.tp=1,2,3"], tracking={}, started_ms=0, points=points)
+    report = write_report(tmp_path, record)
+    assert {p.name for p in report.files} == {"comparison.md", "comparison.csv", "mfu.png", "step_breakdown.png",
+                                              "throughput.png"}
+    assert report.best["name"] == "llama3_8b dp8" and report.best["mfu"] == pytest.approx(0.45)  # 0.54 palm
+    table = (tmp_path / "comparison.md").read_text()
+    assert "| 0 | llama3_8b tp2-dp4 |  | finished |  | 9,000 | 40.0 % | 48.0 % | 1000.0 | 45.50 / 50.00 | " \
+           "800.0 | 50.0 | 100.0 | 50.0 |" in table
+    assert "| 1 | llama3_8b dp8 |  | finished |  | 10,000 | 45.0 % | 54.0 % |" in table
+    assert "- #2 llama3_8b tp3-dp0: TP=3 does not divide 8" in table
+    assert report.counts_text() == "2 finished, 1 invalid"
+
+
 def test_plan_sweep_is_one_parent_with_a_nested_run_per_point(plan_sweep):
     tmp, sweep_dir = plan_sweep
     record = json.loads((sweep_dir / "sweep.json").read_text())

@@ -262,7 +262,8 @@ class CommProfile:
     # File format --------------------------------------------------------------------
     def to_dict(self) -> dict:
         def pts(p: Points) -> dict:
-            return {c: {str(n): [[int(s), float(t)] for s, t in v] for n, v in sorted(by.items())} for c, by in p.items()}
+            return {c: {str(n): [[int(s), float(t)] for s, t in v] for n, v in sorted(by.items())}
+                    for c, by in p.items()}
 
         def fts(f: Fits) -> dict:
             return {c: {str(n): fit.to_dict() for n, fit in sorted(by.items())} for c, by in f.items()}
@@ -291,7 +292,8 @@ class CommProfile:
             return {c: {int(n): [(int(s), float(t)) for s, t in v] for n, v in by.items()} for c, by in d.items()}
 
         def fts(d: dict) -> Fits:
-            return {c: {int(n): AlphaBetaFit.from_dict(c, int(n), f) for n, f in by.items()} for c, by in d.items()}
+            return {c: {int(n): AlphaBetaFit.from_dict(c, int(n), f) for n, f in by.items()}
+                    for c, by in d.items()}
 
         kinds = {
             k: KindMeasurement(int(v["group_size"]), int(v["num_groups"]), pts(v["points"]), fts(v["fits"]))
@@ -338,8 +340,8 @@ def plot_profile(profile: CommProfile, path_png) -> Path:
             fit = profile.fits[coll][n]
             ax.loglog(sizes, times * 1e6, "o", ms=3.5, color=colour)
             line = np.geomspace(sizes.min(), sizes.max(), 64)
-            ax.loglog(line, np.array([fit.seconds(s) for s in line]) * 1e6, "-", lw=1.2, color=colour,
-                      label=f"n={n}: α={fit.alpha_s * 1e6:.1f} µs, {fit.bus_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+            label = f"n={n}: α={fit.alpha_s * 1e6:.1f} µs, {fit.bus_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+            ax.loglog(line, np.array([fit.seconds(s) for s in line]) * 1e6, "-", lw=1.2, color=colour, label=label)
         ax.set_title(coll)
         ax.set_xlabel("message size (bytes, nccl-tests)")
         ax.set_ylabel("time (µs)")
@@ -431,9 +433,10 @@ def _tp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
       backward AG + RS); the vocab-parallel cross-entropy's forward does 3 all_reduces of
       s/cp x b fp32 values (max logit, target logit, sum of exps;
       tensor_parallel/cross_entropy.py, unfused, Megatron's default).
-    * MoE aux loss (moe_aux_loss_coeff > 0, cp == 1; its group is tp x cp): per MoE layer
-      per micro-batch a forward all_reduce of the tokens-per-expert counts (E int64;
-      router.py, get_tokens_per_expert_and_token_count).
+    * MoE aux loss (moe_aux_loss_coeff > 0): per MoE layer per micro-batch a forward
+      all_reduce of the tokens-per-expert counts (E int64; router.py,
+      get_tokens_per_expert_and_token_count) over the tp x cp group, listed here with that
+      group size (under cp when tp == 1).
     * with SP, once per step: finalize_model_grads all-reduces the gradients of the
       weights every TP rank holds whole (norms, router) in fp32, one coalesced call:
       2h per layer (+ h for the final norm on the last stage) + h x experts per MoE layer.
@@ -478,8 +481,9 @@ def _tp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
             c.add("all_reduce", A, st.micro, "all-reduce of the output layer input gradient, backward")
         c.add("all_reduce", st.s_cp * st.b * 4, 3 * st.micro,
               "vocab-parallel cross-entropy (max, target, sum-exp; fp32), forward")
-    if st.moe and m.moe_aux_loss_coeff > 0 and layout.cp == 1:
-        c.add("all_reduce", int(m.num_experts) * 8, per, "MoE aux-loss tokens-per-expert all-reduce, forward")
+    if st.moe and m.moe_aux_loss_coeff > 0:  # over tp x cp: Megatron's TENSOR_AND_CONTEXT group
+        c.add("all_reduce", int(m.num_experts) * 8, per, "MoE aux-loss tokens-per-expert all-reduce, forward",
+              group_size=tp * layout.cp)
     if layout.sp:
         replicated = st.layers * (2 * st.h + (st.h * int(m.num_experts) if st.moe else 0))
         replicated += st.h if st.last_stage else 0
@@ -654,11 +658,20 @@ def _pp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     c.add("send_recv", act, (v - 1) * st.micro, "gradient send to the last stage (VPP), backward")
     if cfg.model.tie_embeddings:
         emb = param_counts(cfg.model).embedding // layout.tp
-        c.add("all_reduce", emb * 4, 1, "tied embedding gradient with the last stage (fp32), once per step", group_size=2)
+        c.add("all_reduce", emb * 4, 1, "tied embedding gradient with the last stage (fp32), once per step",
+              group_size=2)
     return c.as_list()
 
 
-def _ep_calls(cfg, layout: ParallelLayout, st: _Step) -> tuple[str, list[dict]]:
+def _ep_group(cfg, layout: ParallelLayout) -> tuple[str, int]:
+    """(placement kind, size) of the group expert parallelism's traffic runs over: the EP
+    group, or for the allgather dispatcher with expert-TP the tp x ep group (etp_ep)."""
+    if cfg.parallel.moe_token_dispatcher == "alltoall" or layout.etp == 1:
+        return "ep", layout.ep
+    return "etp_ep", layout.ep * layout.etp
+
+
+def _ep_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     """Expert parallelism, per MoE layer per micro-batch (every layer is MoE here).
 
     T = s/cp (/tp under SP) x b tokens enter the layer on this rank; k = top-k; E experts.
@@ -672,51 +685,47 @@ def _ep_calls(cfg, layout: ParallelLayout, st: _Step) -> tuple[str, list[dict]]:
       output n x that, and the combine reduce_scatter (n x T x h x act); backward an
       all_gather (combine) and reduce_scatters of the token and probability gradients.
     * full recompute repeats the forward collectives in the backward.
-    Returns the group kind: ep for the alltoall dispatcher (its counts' all_gather carries
-    its own group size, tp x ep); for the allgather dispatcher ep, or etp_ep (the tp x ep
-    group) when expert-TP > 1. Expert-TP's own all-gathers inside the alltoall dispatcher
-    are not modelled.
+    Reported under "ep" (as trace_analysis files Megatron's expert groups); the counts'
+    all_gather carries its own group size (tp x ep). Expert-TP's own all-gathers inside
+    the alltoall dispatcher are not modelled.
     """
     m = cfg.model
     if not st.moe or layout.ep * layout.etp == 1:
-        return "ep", []
+        return []
     n_tpep = layout.ep * layout.etp
     T = st.s_pipe * st.b
     k, E, h, a = int(m.moe_router_topk), int(m.num_experts), st.h, st.act
     per = st.layers * st.micro
     recompute = cfg.train.recompute == "full"
     if cfg.parallel.moe_token_dispatcher == "alltoall":
-        kind = "ep"
         if layout.ep == 1:
-            return kind, []
+            return []
         c = _Calls(layout.ep)
         tokens, probs = T * k * h * a, T * k * a
         forward = [("all_gather", E * 8 * n_tpep, "tokens-per-expert counts", n_tpep),
                    ("all_to_all", tokens, "dispatch of the routed tokens", None),
                    ("all_to_all", probs, "dispatch of the routing probabilities", None),
                    ("all_to_all", tokens, "combine of the expert outputs", None)]
-        c.add("all_to_all", tokens, 2 * per, "gradient all-to-all of combine and dispatch, backward")
-        c.add("all_to_all", probs, per, "gradient all-to-all of the routing probabilities, backward")
+        backward = [("all_to_all", tokens, 2, "gradient all-to-all of combine and dispatch"),
+                    ("all_to_all", probs, 1, "gradient all-to-all of the routing probabilities")]
     else:
-        kind = "ep" if layout.etp == 1 else "etp_ep"
         n = n_tpep
         c = _Calls(n)
         forward = [("all_gather", n * T * E, "all-gather of the routing map", None),
                    ("all_gather", n * T * E * a, "all-gather of the routing probabilities", None),
                    ("all_gather", n * T * h * a, "all-gather of the tokens", None),
                    ("reduce_scatter", n * T * h * a, "combine reduce-scatter of the expert outputs", None)]
-        c.add("all_gather", n * T * h * a, per, "all-gather of the combine gradient, backward")
-        c.add("reduce_scatter", n * T * h * a, per, "reduce-scatter of the token gradient, backward")
-        c.add("reduce_scatter", n * T * E * a, per, "reduce-scatter of the probability gradient, backward")
+        backward = [("all_gather", n * T * h * a, 1, "all-gather of the combine gradient"),
+                    ("reduce_scatter", n * T * h * a, 1, "reduce-scatter of the token gradient"),
+                    ("reduce_scatter", n * T * E * a, 1, "reduce-scatter of the probability gradient")]
     for coll, size, what, group in forward:
         c.add(coll, size, per, f"{what}, forward", group_size=group)
-        if recompute:
+    for coll, size, times, what in backward:
+        c.add(coll, size, times * per, f"{what}, backward")
+    if recompute:
+        for coll, size, what, group in forward:
             c.add(coll, size, per, f"{what}, recomputed in backward", group_size=group)
-    return kind, c.as_list()
-
-
-# Kind reported -> the placement kind whose groups carry it.
-PLACEMENT_KIND = {"tp": "tp", "cp": "cp", "dp": "dp_cp", "pp": "pp", "ep": "ep", "edp": "edp", "etp_ep": "etp_ep"}
+    return c.as_list()
 
 
 def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile | None = None) -> dict:
@@ -727,46 +736,48 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     "size_bytes" (nccl-tests convention, one call), "count" (per step), "what",
     "group_size", "seconds" (count x one call; None without a profile)}], "bytes"
     (sum of count x size_bytes), "seconds" (None without a profile)}}, for the kinds
-    tp, cp, dp (Megatron's DP group with CP: placement kind dp_cp), pp, ep (or etp_ep),
-    edp whose group has more than one rank and carries traffic. The terms are those of
+    tp, cp, dp (Megatron's DP group with CP: placement kind dp_cp), pp, ep (placement
+    kind ep, or etp_ep for the allgather dispatcher with expert-TP) and edp whose group
+    has more than one rank and carries traffic. A call's group_size differs from its
+    kind's where Megatron uses a related group (tied embeddings: first and last stage;
+    aux loss: tp x cp; token counts: tp x ep). The terms are those of
     `_tp_calls`, `_cp_calls`, `_dp_calls`, `_edp_calls`, `_pp_calls` and `_ep_calls`,
     for the Megatron engine. Micro-batches per step = global batch / (micro batch x DP).
 
     Not modelled: scalar reductions of the optimizer (gradient norm, found-inf), the
-    timers, expert-TP's all-gathers inside the alltoall dispatcher, the aux-loss
-    all-reduce when both TP and CP exceed 1, bucket padding, and FP8 (activations are
+    timers, expert-TP's all-gathers inside the alltoall dispatcher, bucket padding, and
+    FP8 (activations are
     counted at the params dtype). With a profile, raises UnmeasuredGroupSize when a
     needed (collective, group size) was not measured.
     """
     if cfg.engine.name != "megatron":
-        raise ValueError(f"predict_step_communication models the Megatron engine, not engine.name={cfg.engine.name}")
+        raise ValueError(
+            f"predict_step_communication models the Megatron engine, not engine.name={cfg.engine.name}"
+        )
     st = _step(cfg, layout)
-    sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp,
-             "ep": layout.ep, "edp": layout.expert_dp, "etp_ep": layout.ep * layout.etp}
-    ep_kind, ep_calls = _ep_calls(cfg, layout, st)
-    found = {
-        "tp": _tp_calls(cfg, layout, st),
-        "cp": _cp_calls(cfg, layout, st),
-        "dp": _dp_calls(cfg, layout, st),
-        "pp": _pp_calls(cfg, layout, st),
-        ep_kind: ep_calls,
-        "edp": _edp_calls(cfg, layout, st),
+    groups = {  # kind -> (placement kind, group size, calls)
+        "tp": ("tp", layout.tp, _tp_calls(cfg, layout, st)),
+        "cp": ("cp", layout.cp, _cp_calls(cfg, layout, st)),
+        "dp": ("dp_cp", layout.dp * layout.cp, _dp_calls(cfg, layout, st)),
+        "pp": ("pp", layout.pp, _pp_calls(cfg, layout, st)),
+        "ep": (*_ep_group(cfg, layout), _ep_calls(cfg, layout, st)),
+        "edp": ("edp", layout.expert_dp, _edp_calls(cfg, layout, st)),
     }
     out = {}
-    for kind, calls in found.items():
-        if sizes[kind] <= 1 or not calls:
+    for kind, (placement_kind, size, calls) in groups.items():
+        if size <= 1 or not calls:
             continue
         total = 0.0 if profile is not None else None
         for call in calls:
             call["seconds"] = None
             if profile is not None:
                 one = profile.seconds(call["collective"], call["group_size"], call["size_bytes"],
-                                      kind=PLACEMENT_KIND[kind])
+                                      kind=placement_kind)
                 call["seconds"] = call["count"] * one
                 total += call["seconds"]
         out[kind] = {
-            "placement_kind": PLACEMENT_KIND[kind],
-            "group_size": sizes[kind],
+            "placement_kind": placement_kind,
+            "group_size": size,
             "calls": calls,
             "bytes": sum(cl["count"] * cl["size_bytes"] for cl in calls),
             "seconds": total,

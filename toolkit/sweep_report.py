@@ -148,19 +148,31 @@ def _memory_cell(row: dict) -> str:
 
 
 def comparison_markdown(record, rows: list[dict], notes: list[str]) -> str:
+    """The table for people: measurement columns no point has a value for are left out
+    (and named under it); comparison.csv keeps every column."""
     groups = groups_of(rows)
-    head = ["#", "name", "point", "status", "layout", "tokens/s/GPU", "MFU (megatron)", "MFU (palm)",
-            "step time (ms)", "peak / estimate memory (GiB)", "compute (ms)",
-            *[f"exposed {g} (ms)" for g in groups], "idle (ms)"]
-    lines = [f"# Sweep {record.name}", "", f"Overrides: `{' '.join(record.overrides)}`", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fixed = [("#", lambda r: str(r["num"])), ("name", lambda r: r["name"]),
+             ("point", lambda r: f"`{r['point']}`" if r["point"] else ""), ("status", lambda r: r["status"]),
+             ("layout", lambda r: r["layout"])]
+    measured = [
+        ("tokens/s/GPU", lambda r: _fmt(r["tokens_per_s_per_gpu"], ",.0f")),
+        ("MFU (megatron)", lambda r: _fmt(r["mfu"], ".1f", 100, " %")),
+        ("MFU (palm)", lambda r: _fmt(r["mfu_palm"], ".1f", 100, " %")),
+        ("step time (ms)", lambda r: _fmt(r["step_time_ms"], ".1f")),
+        ("peak / estimate memory (GiB)", _memory_cell),
+        ("compute (ms)", lambda r: _fmt(r["compute_ms"], ".1f")),
+        *[(f"exposed {g} (ms)", lambda r, g=g: _fmt(r["exposed_ms"].get(g), ".1f")) for g in groups],
+        ("idle (ms)", lambda r: _fmt(r["idle_ms"], ".1f")),
+    ]
+    shown = [c for c in measured if any(c[1](r) for r in rows)]
+    empty = [c[0] for c in measured if c not in shown]
+    columns = fixed + shown
+    lines = [f"# {record.name}", "", f"Overrides: `{' '.join(record.overrides)}`", "",
+             "| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [str(r["num"]), r["name"], f"`{r['point']}`" if r["point"] else "", r["status"], r["layout"],
-                 _fmt(r["tokens_per_s_per_gpu"], ",.0f"), _fmt(r["mfu"], ".1f", 100, " %"),
-                 _fmt(r["mfu_palm"], ".1f", 100, " %"), _fmt(r["step_time_ms"], ".1f"), _memory_cell(r),
-                 _fmt(r["compute_ms"], ".1f"), *[_fmt(r["exposed_ms"].get(g), ".1f") for g in groups],
-                 _fmt(r["idle_ms"], ".1f")]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        lines.append("| " + " | ".join(cell(r).replace("|", "/") for _, cell in columns) + " |")
+    if empty:
+        lines += ["", f"No point has a value for: {', '.join(empty)}."]
     errors = [r for r in rows if r["error"]]
     if errors:
         lines += ["", "Errors:", ""] + [f"- #{r['num']} {r['name']}: {r['error']}" for r in errors]
@@ -219,9 +231,11 @@ def plot_mfu(rows: list[dict], path: Path) -> Path | None:
     for offset, key, label in ((-0.2, "mfu", "megatron"), (0.2, "mfu_palm", "palm")):
         ax.bar([i + offset for i in x], [100 * (r[key] or 0) for r in shown], width=0.4, label=label)
     ax.set_xticks(list(x), [r["label"] for r in shown], rotation=30, ha="right")
+    top = max(100 * max(r["mfu"] or 0, r["mfu_palm"] or 0) for r in shown)
+    ax.set_ylim(0, 1.25 * top or 1)  # room for the legend above the bars
     ax.set_ylabel("MFU (%)")
     ax.set_title("MFU per point (two FLOPs definitions)")
-    ax.legend()
+    ax.legend(loc="upper center", ncols=2)
     try:
         return _save(fig, path)
     finally:
@@ -246,9 +260,10 @@ def plot_step_breakdown(rows: list[dict], path: Path) -> Path | None:
         ax.bar(range(len(shown)), values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(shown)), [r["label"] for r in shown], rotation=30, ha="right")
+    ax.set_ylim(0, 1.35 * max(bottom) or 1)
     ax.set_ylabel("ms per step")
     ax.set_title("Where a step's time goes")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", ncols=2)
     try:
         return _save(fig, path)
     finally:

@@ -119,9 +119,10 @@ def test_report_compares_gpu_points(tmp_path):
                    "layout": "", "overrides": [], "error": "TP=3 does not divide 8"})
     record = SweepRecord(id="x", name="llama3_8b sweep parallel.tp=1,2,3", experiment="llama3_8b",
                          overrides=["parallel.tp=1,2,3"], tracking={}, started_ms=0, points=points)
+    (tmp_path / "1-dp8" / "comm_profile.png").write_bytes(b"png")  # a point's alpha-beta fit plot
     report = write_report(tmp_path, record)
     assert {p.name for p in report.files} == {"comparison.md", "comparison.csv", "mfu.png", "step_breakdown.png",
-                                              "throughput.png"}
+                                              "throughput.png", "comm_profile.png"}
     assert report.best["name"] == "llama3_8b dp8" and report.best["mfu"] == pytest.approx(0.45)  # 0.54 palm
     table = (tmp_path / "comparison.md").read_text()
     assert "| 0 | llama3_8b tp2-dp4 |  | finished |  | 9,000 | 40.0 % | 48.0 % | 1000.0 | 45.50 / 50.00 | " \
@@ -185,7 +186,7 @@ def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
     assert len(rows) == 3
 
 
-def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep):
+def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
     tmp, sweep_dir = offline_sweep
     assert not (tmp / "mlflow.db").exists()  # tracking=off: nothing touched MLflow
     points = json.loads((sweep_dir / "sweep.json").read_text())["points"]
@@ -198,7 +199,17 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep):
     _, again = runs_of(tmp / "mlflow.db")
     assert {n: r.info.run_id for n, r in again.items()} == {n: r.info.run_id for n, r in runs.items()}
 
+    # A point whose run is gone (deleted here) is filled in; nothing else is logged again.
+    from gridwright.sync import main as sync_main
+
+    client.delete_run(runs["tiny_llama_cpu tp3-dp0"].info.run_id)
+    assert sync_main([str(sweep_dir), "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"]) == 0
+    assert "with 1 new run(s)" in capsys.readouterr().out
+    client, runs = runs_of(tmp / "mlflow.db")
+    assert len(runs) == 3
     parent = runs["tiny_llama_cpu sweep parallel.tp=2,3"]
+    assert len(client.get_metric_history(parent.info.run_id, "best_tokens_per_s_per_gpu")) == 1
+
     synced = runs["tiny_llama_cpu tp2-dp1"]
     assert (synced.info.status, runs["tiny_llama_cpu tp3-dp0"].info.status) == ("FINISHED", "FAILED")
     assert synced.data.tags["mlflow.parentRunId"] == parent.info.run_id
@@ -218,7 +229,7 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep):
     assert [m.value for m in live_loss] == pytest.approx([m.value for m in loss], abs=1e-5)
 
 
-def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path):
+def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path, capsys):
     tmp, sweep_dir = offline_sweep
     job = sweep_dir / "0-tp2-dp1"
     uri = f"sqlite:///{tmp_path / 'single.db'}"
@@ -229,6 +240,24 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
     (run,) = runs.values()
     assert run.info.run_name == "tiny_llama_cpu tp2-dp1" and run.info.status == "FINISHED"
     assert run.data.tags["gridwright.job_id"] == json.loads((job / "job.json").read_text())["job_id"]
+
+    # A torchrun job logged before it ran is planned; once it has run, the same run gets its results.
+    from gridwright.sync import main as sync_main
+
+    emitted = tmp_path / "emitted"
+    assert launch(["launcher=torchrun", "tracking=off", f"job_dir={emitted}"], cwd=tmp_path).returncode == 0
+    assert sync_main([str(emitted), "--tracking-uri", uri]) == 0
+    for name in ("metrics.jsonl", "summary.json"):
+        (emitted / name).write_text((job / name).read_text())
+    assert sync_main([str(emitted), "--tracking-uri", uri]) == 0
+    assert sync_main([str(emitted), "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out[-3:]] == [f"logged {emitted}", f"logged {emitted}", "already logged"]
+    _, runs = runs_of(tmp_path / "single.db")
+    assert len(runs) == 2 and len({line.split()[-3] for line in out[-3:-1]}) == 1  # one run, logged twice
+    (upgraded,) = [r for r in runs.values() if r.data.tags["gridwright.job_dir"] == str(emitted)]
+    assert (upgraded.info.status, upgraded.data.tags["gridwright.status"]) == ("FINISHED", "finished")
+    assert upgraded.data.metrics["summary.steps"] == 3
 
     for bad in (tmp_path / "missing", sweep_dir.parent):
         result = sync(bad, "--tracking-uri", f"sqlite:///{tmp_path / 'bad.db'}", cwd=tmp_path)

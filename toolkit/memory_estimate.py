@@ -5,14 +5,16 @@ A planning number, not a measurement. Its terms, per rank of the worst pipeline 
 * states: bytes per parameter for weights, gradients and Adam states under mixed
   precision (ZeRO paper accounting: 16-bit weights 2, gradients 2, fp32 master + m + v
   12; fp32 training: 4 + 4 + 8; the Megatron engine keeps gradients in fp32: 4),
-  divided over DP as the ZeRO stage says. Expert
+  divided over DP x CP (Megatron-Core's data-parallel group with context parallelism)
+  as the ZeRO stage says. Expert
   parameters are divided over EP x expert-TP and their states over expert-DP.
 * activations: Korthikanti et al. 2022 (34 s b h bytes per layer with SP, 10 + 24/t
   without), with fused attention (no s^2 term, so selective recompute saves nothing
   extra); MoE adds the MLP term once per extra routed expert; full recompute keeps
   only each layer's input (2 s b h). The first stage holds up to PP micro-batches
   in flight under 1F1B.
-* logits: fp32 logits and their gradient on the last stage.
+* logits: three fp32 copies of the logits on the last stage (upcast, softmax kept for
+  backward, gradient), as Megatron's unfused vocab-parallel cross-entropy holds them.
 * the optimizer step's temporary: without Apex or Transformer Engine, Megatron-Core falls
   back to torch's foreach Adam, which allocates sqrt(v) for a whole parameter group (fp32)
   at once. Activations are freed by then, so the peak is the larger of activations +
@@ -104,7 +106,9 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     in_flight = min(pp, accumulation)
     if layout.vpp:
         in_flight *= 1 + (pp - 1) / (pp * layout.vpp)
-    logits = 2 * s * b * m.vocab_size * 4 / tp
+    # Megatron's unfused cross-entropy: the fp32 upcast of the logits, its softmax kept for
+    # backward, and the logits' fp32 gradient.
+    logits = 3 * s * b * m.vocab_size * 4 / tp
 
     if pp == 1:
         stages = [(first_extra + last_extra, in_flight, logits)]
@@ -113,11 +117,12 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     best = None
     for stage_extra, stage_acts, stage_logits in stages:
         dense = dense_layer + stage_extra
-        wd, gd, od = _state_bytes(dense, layout.dp, cfg.zero, sixteen_bit, fp32_grads)
+        # Megatron-Core shards the dense states over data-parallel x context-parallel ranks.
+        wd, gd, od = _state_bytes(dense, layout.dp * layout.cp, cfg.zero, sixteen_bit, fp32_grads)
         we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sixteen_bit, fp32_grads)
         sharded = cfg.zero.stage >= 1 and not cfg.zero.offload_optimizer
         step_temp = 0.0 if cfg.zero.offload_optimizer else 4.0 * max(
-            dense / (layout.dp if sharded else 1), expert_layer / (layout.expert_dp if sharded else 1))
+            dense / (layout.dp * layout.cp if sharded else 1), expert_layer / (layout.expert_dp if sharded else 1))
         est = MemoryEstimate(
             weights_gib=(wd + we) / GIB,
             grads_gib=(gd + ge) / GIB,

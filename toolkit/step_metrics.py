@@ -28,6 +28,25 @@ def timed_step(train_step, step: int, on_cuda: bool) -> dict:
     return metrics
 
 
+def memory_peaks_gib(on_cuda: bool) -> dict[str, float]:
+    """This process's peak memory so far: the CUDA allocator's on GPUs, the RSS on CPU."""
+    if on_cuda:
+        return {
+            "memory_max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory_max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        }
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return {"memory_max_rss_gib": rss_kib * scale / 2**30}
+
+
+def memory_record_path(job_dir, rank: int):
+    """Where each rank leaves its peak memory at the end of training."""
+    from pathlib import Path
+
+    return Path(job_dir) / "ranks" / f"rank_{rank:05d}.memory.json"
+
+
 class StepMetrics:
     def __init__(self, cfg, world_size: int):
         t = cfg.train
@@ -41,14 +60,7 @@ class StepMetrics:
         self.hardware_flops = self.record["hardware_flops_per_token"]
 
     def memory_gib(self) -> dict[str, float]:
-        if self.on_cuda:
-            return {
-                "memory_max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "memory_max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            }
-        rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-        return {"memory_max_rss_gib": rss_kib * scale / 2**30}
+        return memory_peaks_gib(self.on_cuda)
 
     def derive(self, raw: dict[str, float]) -> dict[str, float]:
         out = dict(raw)

@@ -28,9 +28,9 @@ from . import tracking
 from .atomic_io import write_text_atomic
 from .compose import strip_hydra
 from .jobdir import (JOB_FILE, SWEEP_FILE, JobDirExists, check_job_dir_free, create_sweep_dir, enter_sweep_point,
-                     leave_sweep_point, planned_job_dir)
+                     leave_sweep_point, planned_job_dir, read_json)
 from .layout import ParallelLayout
-from .sweep_report import point_label, swept_keys, write_report
+from .sweep_report import override_key, point_label, swept_keys, write_report
 from .validation import ConfigError, validate
 
 EXIT_INVALID = 2
@@ -102,9 +102,15 @@ class ActiveSweep:
         self.client = self.exp_id = self.parent_run_id = None
         if cfg.tracking.enabled:
             uri = tracking.tracking_uri(cfg)
-            self.client = tracking.client_for(uri)
-            self.exp_id = tracking.experiment_id(self.client, cfg.tracking.experiment, uri)
-            self.parent_run_id, _ = tracking.sweep_run(self.client, self.exp_id, sweep_dir, record)
+            try:
+                client = tracking.client_for(uri)
+                self.exp_id = tracking.experiment_id(client, cfg.tracking.experiment, uri)
+                self.parent_run_id, _ = tracking.sweep_run(client, self.exp_id, sweep_dir, record)
+                self.client = client
+            except Exception as e:  # noqa: BLE001 - the sweep's records still go to sweep.json
+                print(f"error: MLflow at {uri} failed ({type(e).__name__}: {one_line(e)}); the sweep is "
+                      f"recorded in {sweep_dir} only: log it later with python -m gridwright.sync",
+                      file=sys.stderr)
 
     def run_tags(self) -> dict[str, str]:
         """Tags that nest a point's run under the sweep's run."""
@@ -114,10 +120,6 @@ class ActiveSweep:
 
 
 _active: ActiveSweep | None = None
-
-
-def active() -> ActiveSweep | None:
-    return _active
 
 
 def run_tags() -> dict[str, str]:
@@ -132,8 +134,8 @@ def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
     num = int(config.hydra.job.num)
     slug, layout = _layout_names(cfg)
     job_dir = planned_job_dir(cfg)
-    made_here = (job_dir / JOB_FILE).is_file() and \
-        json.loads((job_dir / JOB_FILE).read_text()).get("created_ms", 0) >= sweep.point_started_ms
+    job = read_json(job_dir / JOB_FILE)
+    made_here = job.get("created_ms", -1) >= sweep.point_started_ms  # not an older job_dir= given
     value = job_return.return_value
     error = ""
     if isinstance(value, BaseException):
@@ -146,7 +148,7 @@ def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
         status, error = "failed", f"exit code {value}"
     point = {
         "num": num,
-        "name": f"{cfg.name} {slug}",
+        "name": tracking.run_name(cfg, slug),
         "slug": slug,
         "layout": layout,
         "overrides": [str(o) for o in config.hydra.overrides.task],
@@ -160,7 +162,7 @@ def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
     if made_here:
         inside = job_dir.parent == sweep.dir
         point["job_dir"] = job_dir.name if inside else str(job_dir)
-        point["job_id"] = json.loads((job_dir / JOB_FILE).read_text())["job_id"]
+        point["job_id"] = job["job_id"]
     return point
 
 
@@ -172,7 +174,8 @@ class SweepCallback(Callback):
         cfg = strip_hydra(config)
         overrides = [str(o) for o in config.hydra.overrides.task]
         sweep_dir = create_sweep_dir(cfg)
-        varied = [o for o in overrides if o.partition("=")[0] in swept_keys(overrides)]
+        swept = swept_keys(overrides)
+        varied = [o for o in overrides if override_key(o) in swept]
         record = SweepRecord(
             id=uuid.uuid4().hex, name=f"{cfg.name} sweep {' '.join(varied)}".strip()[:250],
             experiment=cfg.name, overrides=overrides,

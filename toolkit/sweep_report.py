@@ -43,7 +43,7 @@ def _mfu_both(summary: dict, plan: dict) -> tuple[float | None, float | None]:
     """MFU under the Megatron and the PaLM FLOPs definitions. `mfu` is under the run's
     definition; the other one follows from the ratio of FLOPs per token in plan.json."""
     definition = summary.get("flops_definition") or plan.get("flops_definition") or "megatron"
-    per_token = plan.get("flops_per_token") if isinstance(plan.get("flops_per_token"), dict) else {}
+    per_token = next((d for d in (plan.get("flops_per_token"), summary.get("flops_per_token")) if isinstance(d, dict)), {})
     mfu = {}
     if _num(summary.get("mfu")) is not None:
         mfu[definition] = _num(summary["mfu"])
@@ -59,14 +59,18 @@ def point_label(point: dict) -> str:
     return f"{point['num']}-{point.get('slug', '')}"
 
 
-def swept_keys(overrides: list[str]) -> list[str]:
-    """Keys the sweep varies (`parallel.tp=1,2` or `range(...)`, `choice(...)`, `glob(...)`)."""
-    keys = []
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if "," in value or value.startswith(("range(", "choice(", "glob(", "interval(")):
-            keys.append(key)
-    return keys
+def override_key(item: str) -> str:
+    """`parallel.tp` of `parallel.tp=2`, `experiment` of `+experiment=x`."""
+    return item.partition("=")[0].lstrip("+~")
+
+
+def swept_keys(overrides: list[str]) -> set[str]:
+    """Keys the sweep varies (`parallel.tp=1,2`, `range(...)`, `choice(...)`, `glob(...)`),
+    as Hydra's own parser tells a sweep from a list value such as `[1,3]`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return {override_key(o.input_line) for o in parsed if o.is_sweep_override()}
 
 
 def point_row(sweep_dir: Path, record, point: dict) -> dict:
@@ -83,7 +87,7 @@ def point_row(sweep_dir: Path, record, point: dict) -> dict:
         "num": point["num"],
         "label": point_label(point),
         "name": point.get("name", ""),
-        "point": " ".join(o for o in point.get("overrides", []) if o.partition("=")[0] in varied),
+        "point": " ".join(o for o in point.get("overrides", []) if override_key(o) in varied),
         "status": point.get("status", ""),
         "layout": point.get("layout", ""),
         "tokens_per_s_per_gpu": _num(summary.get("tokens_per_s_per_gpu")),

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, SUMMARY_FILE,
+from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
                      job_record, load_job_config, read_json)
 from .layout import ParallelLayout
-from .sweep_report import COMM_PROFILE_PNG, SweepReport, write_report
+from .sweep_report import COMM_PROFILE_PNG, SweepReport, override_key, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,8 +152,9 @@ def job_params(cfg, layout: ParallelLayout, job_dir: Path | None = None) -> dict
     return {**flatten(cfg), **derived_params(cfg, layout), **plan_params(job_dir)}
 
 
-def run_name(cfg, layout: ParallelLayout) -> str:
-    return f"{cfg.name} {layout.slug()}"
+def run_name(cfg, slug: str) -> str:
+    """`<experiment> <layout slug>`, e.g. `llama3_8b tp2-sp-dp4`."""
+    return f"{cfg.name} {slug}"
 
 
 def git_commit() -> str:
@@ -199,7 +200,7 @@ def _log_metrics(client, run_id: str, metrics) -> None:
 def create_job_run(client, exp_id: str, cfg, layout: ParallelLayout, job_dir: Path, *,
                    tags: dict | None = None, start_time: int | None = None) -> str:
     """A new run for the job in `job_dir`: name, tags, params and the planning artifacts."""
-    run = client.create_run(exp_id, start_time=start_time, run_name=run_name(cfg, layout),
+    run = client.create_run(exp_id, start_time=start_time, run_name=run_name(cfg, layout.slug()),
                             tags={**job_tags(cfg, layout, job_dir), **(tags or {})})
     run_id = run.info.run_id
     _log_params(client, run_id, job_params(cfg, layout, job_dir))
@@ -246,10 +247,12 @@ def last_write_ms(job_dir: Path) -> int:
 
 
 def job_outcome(cfg, job_dir: Path) -> str:
-    """finished when the run left a summary; planned for a plan-only job; else failed."""
+    """What a job directory shows: finished (it left a summary), planned (nothing has run:
+    a plan, or a torchrun/Slurm job not run yet), else failed."""
     if (job_dir / SUMMARY_FILE).is_file():
         return "finished"
-    return "planned" if cfg.launcher.name == "plan" else "failed"
+    ran = (job_dir / METRICS_FILE).is_file() or (job_dir / RANKS_DIR).is_dir()
+    return "planned" if not ran and cfg.launcher.name != "local" else "failed"
 
 
 def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -> None:
@@ -273,19 +276,25 @@ def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -
 
 def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None,
                 tags: dict | None = None) -> tuple[str, bool]:
-    """Log a job directory as one run unless a run with its job id exists already.
-    Returns (run id, whether it was created now)."""
+    """Log a job directory as one run unless a run with its job id exists already; a run
+    logged as planned whose job has run since (torchrun/Slurm) gets the results. `status`
+    (from a sweep's record) is taken unless the files show the planned job has run.
+    Returns (run id, whether anything was logged now)."""
     job_dir = Path(job_dir).resolve()
     record = job_record(job_dir)
+    cfg = load_job_config(job_dir)
+    outcome = job_outcome(cfg, job_dir)
+    status = outcome if status in (None, "planned") else status
     existing = find_run(client, exp_id, JOB_ID_TAG, record["job_id"])
     if existing is not None:
-        return existing.info.run_id, False
-    cfg = load_job_config(job_dir)
-    layout = ParallelLayout.from_config(cfg)
-    status = status or job_outcome(cfg, job_dir)
-    run_id = create_job_run(client, exp_id, cfg, layout, job_dir, start_time=record.get("created_ms"),
-                            tags={**(tags or {}), STATUS_TAG: status})
+        if existing.data.tags.get(STATUS_TAG) != "planned" or status == "planned":
+            return existing.info.run_id, False
+        run_id = existing.info.run_id
+    else:
+        run_id = create_job_run(client, exp_id, cfg, ParallelLayout.from_config(cfg), job_dir,
+                                start_time=record.get("created_ms"), tags=tags)
     log_job_results(client, run_id, job_dir, step_metrics=True)
+    client.set_tag(run_id, STATUS_TAG, status)
     client.set_terminated(run_id, status=MLFLOW_STATUS[status], end_time=last_write_ms(job_dir))
     return run_id, True
 
@@ -352,12 +361,7 @@ def sweep_run(client, exp_id: str, sweep_dir: Path, record) -> tuple[str, bool]:
 
 def _override_params(overrides: list[str]) -> dict[str, str]:
     """`key=value` command-line overrides as params (`+experiment=x` gives `experiment`)."""
-    out = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if sep:
-            out[key.lstrip("+~")] = value
-    return out
+    return {override_key(item): item.partition("=")[2] for item in overrides if "=" in item}
 
 
 def log_sweep_point(client, exp_id: str, sweep_dir: Path, record, point: dict, parent_run_id: str) -> tuple[str, bool]:

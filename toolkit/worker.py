@@ -59,7 +59,7 @@ class Reporter:
         if self.mlflow is not None:
             self.mlflow.log(step, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
-            mfu = f" mfu {m['mfu']:.1%}" if "mfu" in m else ""
+            mfu = f" mfu {m['mfu']:.1%} ({self.metrics.record['flops_definition']})" if "mfu" in m else ""
             mfu += f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
             print(
                 f"step {step:>5} loss {m['loss']:.4f} lr {m['lr']:.2e} {m['step_time_s'] * 1e3:.0f} ms "
@@ -67,12 +67,31 @@ class Reporter:
                 flush=True,
             )
 
+    def _memory_peaks(self) -> dict:
+        """The highest peak over every rank (each leaves a record), and which rank it was."""
+        key = "memory_max_allocated_gib" if self.metrics.on_cuda else "memory_max_rss_gib"
+        per_rank = {}
+        for path in sorted((self.job_dir / RANKS_DIR).glob("rank_*.memory.json")):
+            per_rank[int(path.name[5:10])] = json.loads(path.read_text())
+        if not per_rank:  # an engine that leaves no records: the logging rank's own
+            per_rank = {-1: {k: max(h[k] for h in self.history) for k in self.history[-1] if k.startswith("memory_")}}
+        worst = max(per_rank, key=lambda r: per_rank[r][key])
+        out = {"memory_peak_gib": per_rank[worst][key], "memory_peak_rank": worst,
+               "memory_peak_gib_per_rank": {str(r): rec[key] for r, rec in per_rank.items()}}
+        if self.metrics.on_cuda:
+            out["memory_reserved_peak_gib"] = max(rec["memory_max_reserved_gib"] for rec in per_rank.values())
+        return out
+
     def finish(self, extra: dict) -> None:
         if not self.history:  # resumed at the last step: nothing ran
             return
-        steady = self.history[1:] or self.history  # the first step includes warm-up
+        # The first step includes warm-up; traced steps carry the profiler's overhead.
+        window = self.cfg.evaluate.profile_steps
+        traced = set(range(window[0], window[1])) if window else set()
+        steady = [h for h in self.history[1:] if h["step"] not in traced] or self.history[1:] or self.history
         summary = {
             "steps": len(self.history),
+            "steps_averaged": [h["step"] for h in steady],
             "first_loss": self.history[0]["loss"],
             "last_loss": self.history[-1]["loss"],
             "mean_step_time_s": sum(h["step_time_s"] for h in steady) / len(steady),
@@ -84,10 +103,7 @@ class Reporter:
         for key in ("mfu", "mfu_palm", "hfu"):
             if key in self.history[-1]:
                 summary[key] = sum(h[key] for h in steady) / len(steady)
-        peak_key = "memory_max_allocated_gib" if self.metrics.on_cuda else "memory_max_rss_gib"
-        summary["memory_peak_gib"] = max(h[peak_key] for h in self.history)
-        if self.metrics.on_cuda:
-            summary["memory_reserved_peak_gib"] = max(h["memory_max_reserved_gib"] for h in self.history)
+        summary.update(self._memory_peaks())
         plan = self.job_dir / PLAN_FILE
         if plan.exists():
             estimate = json.loads(plan.read_text()).get("memory_estimate")

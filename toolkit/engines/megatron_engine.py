@@ -7,6 +7,7 @@ optimizer for ZeRO stages 1-2) steps, and its scheduler sets the learning rate.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from functools import partial
 
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from ..data_source import make_source
 from ..layout import ParallelLayout
 from ..profiling import ProfileWindow
-from ..step_metrics import timed_step
+from ..atomic_io import write_text_atomic
+from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
 from ..validation import transformer_engine_available
 from . import megatron_checkpoint
 from .megatron_cpu_compat import cpu_compat
@@ -288,6 +290,8 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
                 on_step(step, metrics)
             if ck.save and (done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)):
                 megatron_checkpoint.save(trainer, done, ck.save)
+        if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
+            write_text_atomic(memory_record_path(job_dir, dist.get_rank()), json.dumps(memory_peaks_gib(not on_cpu)))
         dist.barrier()
         from megatron.core import parallel_state as ps
 

@@ -1,0 +1,90 @@
+"""The results file of an evaluation sweep: MFU, communication per group, prediction vs
+measurement, memory estimate vs peak.
+
+    python -m gridwright.evaluations.eval_results SWEEP_DIR [--out DIR]
+
+Reads the sweep's points (summary.json, communication.json, plan.json); writes
+`eval_sweep_<time>.md` beside the other results. Measured communication per group is
+NCCL kernel time from the traces; `wait` is the part spent before the last member of the
+communicator arrived (skew), so `transfer` = measured - wait is what the alpha-beta
+prediction models.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def steady_means(job: Path, traced: list[int]) -> dict:
+    """Means over the steps after the first that were not traced (the profiler slows them)."""
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in rows[1:] if r["step"] not in set(traced)] or rows[1:]
+    return {k: sum(r[k] for r in steady) / len(steady)
+            for k in ("tokens_per_s_per_gpu", "mfu", "mfu_palm", "hfu", "step_time_s") if k in steady[0]}
+
+
+def tables(sweep_dir: Path) -> str:
+    sweep = _load(sweep_dir / "sweep.json")
+    head = [
+        "| point | layout | tokens/s/GPU (untraced steps) | MFU megatron | MFU palm | HFU | step ms (untraced) | traced step ms | compute ms | exposed comm ms | idle ms | overlap % | peak alloc GiB | estimate GiB (w/o workspace) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    comm_rows = [
+        "| point | group | predicted ms | measured ms | wait (skew) ms | transfer ms | predicted / transfer | exposed ms | MB/step measured | MB/step predicted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for point in sweep.get("points", []):
+        job = Path(point["job_dir"])
+        job = job if job.exists() else sweep_dir / job.name
+        s, c, plan = _load(job / "summary.json"), _load(job / "communication.json"), _load(job / "plan.json")
+        name = job.name
+        if not s:
+            head.append(f"| {name} | {point.get('status')} | | | | | | | | | | | | |")
+            continue
+        m = c.get("mean", {})
+        s = {**s, **steady_means(job, c.get("steps", []))}
+        s["mean_step_time_s"] = s.pop("step_time_s")
+        ms = lambda v: f"{v * 1e3:.1f}" if v is not None else ""  # noqa: E731
+        head.append(
+            f"| {name} | {plan.get('layout', {}).get('slug', '')} | {s['tokens_per_s_per_gpu']:,.0f} | {s.get('mfu', 0):.1%} | "
+            f"{s.get('mfu_palm', 0):.1%} | {s.get('hfu', 0):.1%} | {s['mean_step_time_s'] * 1e3:.1f} | {ms(m.get('step_s'))} | {ms(m.get('compute_s'))} | "
+            f"{ms(m.get('exposed_comm_s'))} | {ms(m.get('idle_s'))} | {m.get('overlap_pct', 0):.1f} | "
+            f"{s.get('memory_peak_gib', 0):.2f} | {s.get('memory_estimate_allocated_gib', 0):.2f} |")
+        predicted = c.get("predicted") or {}
+        for group in sorted(set(m.get("by_group", {})) | set(predicted)):
+            g = m.get("by_group", {}).get(group, {})
+            p = predicted.get(group, {})
+            wait = g.get("wait_s")
+            transfer = g["comm_s"] - wait if g and wait is not None else None
+            ratio = f"{p['seconds'] / transfer:.2f}" if p.get("seconds") and transfer else ""
+            mb = lambda v: f"{v / 1e6:,.0f}" if v is not None else "n/a"  # noqa: E731
+            comm_rows.append(
+                f"| {name} | {group} | {ms(p.get('seconds'))} | {ms(g.get('comm_s'))} | {ms(wait)} | {ms(transfer)} | "
+                f"{ratio} | {ms(g.get('exposed_s'))} | {mb(g.get('bytes')) if g else ''} | {mb(p.get('bytes')) if p else ''} |")
+    return "\n".join(["## Points", "", *head, "", "## Communication per group (mean step, mean over ranks)", "", *comm_rows])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=REPO / "evaluations" / "results")
+    args = ap.parse_args()
+    text = tables(args.sweep_dir)
+    print(text)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"eval_sweep_{stamp}.md").write_text(
+        f"# Evaluation sweep, {stamp}\n\nSweep: `{args.sweep_dir.name}`; command: "
+        f"`python -m gridwright.evaluations.eval_results SWEEP_DIR`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

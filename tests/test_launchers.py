@@ -4,8 +4,10 @@ import subprocess
 
 from conftest import only_job_dir
 
+from gridwright.model_math import model_flops_per_token, param_counts
 
-def test_plan_prints_mixtral_ep8_placement_and_runs_nothing(run_launch, tmp_path):
+
+def test_plan_prints_mixtral_ep8_placement_and_runs_nothing(run_launch, tmp_path, compose):
     result = run_launch("+experiment=mixtral_ep8", "launcher=plan")
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -13,9 +15,20 @@ def test_plan_prints_mixtral_ep8_placement_and_runs_nothing(run_launch, tmp_path
     table = out.split("placement\n", 1)[1].splitlines()
     assert len([line for line in table if line.strip() and line.split()[0].isdigit()]) == 8
     job = only_job_dir(tmp_path)
-    assert sorted(p.name for p in job.iterdir()) == ["config.yaml", "placement.csv", "placement.json"]
+    assert sorted(p.name for p in job.iterdir()) == [
+        "config.yaml", "job.json", "placement.csv", "placement.json", "plan.json"]
     doc = json.loads((job / "placement.json").read_text())
     assert [r["ep"] for r in doc["ranks"]] == list(range(8))
+    # plan.json: the numbers the plan predicts, under both FLOPs definitions.
+    plan = json.loads((job / "plan.json").read_text())
+    assert plan["tokens_per_step"] == 64 * 4096  # the preset's global batch and sequence
+    model = compose("+experiment=mixtral_ep8").model
+    assert plan["flops_per_token"] == {d: model_flops_per_token(model, 4096, d) for d in ("megatron", "palm")}
+    assert plan["flops_definition"] == "megatron" and plan["peak_kind"] == "bf16"
+    assert plan["params"]["total"] == param_counts(model).total
+    assert 0 < plan["memory_estimate_gib"] < 80 and plan["layout"]["slug"] == "ep8-dp8"
+    assert plan["groups"]["ep"] == [list(range(8))]
+    assert f"FLOPs/token {plan['flops_per_token']['megatron'] / 1e9:,.2f} G (megatron" in out
     assert not (tmp_path / "mlflow.db").exists()
 
 
@@ -63,5 +76,6 @@ def test_layout_sweep_reports_invalid_points_and_goes_on(tmp_path):
     assert "sweep point 0 ended with exit code 2" in result.stderr
     assert "parallel.tp=3" in result.stderr
     assert "TP=2 PP=1 CP=1 DP=1" in result.stdout
-    planned = [p for p in (tmp_path / "jobs").glob("*/*") if (p / "placement.json").exists()]
+    # A sweep keeps its points in one directory: jobs/sweeps/<experiment>/<time>-<id>/<n>-<layout>
+    planned = [p for p in (tmp_path / "jobs").glob("sweeps/*/*/*") if (p / "placement.json").exists()]
     assert len(planned) == 1

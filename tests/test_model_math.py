@@ -1,4 +1,7 @@
 """Parameter counts and the FLOP formula behind MFU, against published numbers."""
+import json
+from pathlib import Path
+
 import pytest
 
 from gridwright.layout import ParallelLayout
@@ -90,3 +93,39 @@ def test_llama3_8b_weights_by_hand(compose):
     cfg = compose("+experiment=llama3_8b")
     est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
     assert est.weights_gib == pytest.approx(8.03e9 * 2 / 2 / 2**30, rel=0.02)
+
+
+MEASURED = sorted((Path(__file__).parents[1] / "evaluations" / "results").glob("eval_sweep_2xh100_*/[0-9]*"))
+
+
+@pytest.mark.parametrize("job", MEASURED, ids=[p.name for p in MEASURED])
+def test_memory_estimate_against_peaks_measured_on_h100(job):
+    """The estimate (without its fixed workspace, which the allocator's peak does not hold)
+    against the allocator's peak over all ranks, measured on 2 x H100 (committed results)."""
+    from omegaconf import OmegaConf
+
+    from gridwright.compose import strip_hydra
+
+    cfg = strip_hydra(OmegaConf.load(job / "config.yaml"))
+    est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
+    peak = json.loads((job / "summary.json").read_text())["memory_peak_gib"]
+    # The first pipeline stage reads 9 % low (cause not found); every other layout within 2 %.
+    tolerance = 0.10 if cfg.parallel.pp > 1 else 0.02
+    assert abs(est.total_gib - est.workspace_gib - peak) / peak < tolerance
+    assert est.total_gib > peak  # with the workspace, the check before launch errs on the safe side
+
+
+def test_mfu_follows_the_chosen_definition(compose):
+    from gridwright.step_metrics import StepMetrics
+
+    metrics = {}
+    for definition in ("megatron", "palm"):
+        cfg = compose("model=llama3_8b", "train.seq_length=8192", "cluster.gpu.peak_bf16_tflops=1000",
+                      f"evaluate.flops_definition={definition}")
+        sm = StepMetrics(cfg, world_size=1)
+        metrics[definition] = sm.derive({"step_time_s": cfg.train.global_batch_size * 8192 / 1000.0})
+    # 1000 tokens/s/GPU against a 1 PFLOP/s peak: MFU = FLOPs/token / 1e12
+    assert metrics["megatron"]["mfu"] == pytest.approx(51_470_401_536 / 1e12)
+    assert metrics["megatron"]["mfu_palm"] == pytest.approx(57_912_852_480 / 1e12)
+    assert metrics["palm"]["mfu"] == metrics["megatron"]["mfu_palm"]
+    assert metrics["megatron"]["tflops_per_gpu"] == pytest.approx(51.470401536)

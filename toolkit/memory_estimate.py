@@ -9,7 +9,7 @@ A planning number, not a measurement. Its terms, per rank of the worst pipeline 
   as the ZeRO stage says. Expert
   parameters are divided over EP x expert-TP and their states over expert-DP.
 * activations: Korthikanti et al. 2022 (34 s b h bytes per layer with SP, 10 + 24/t
-  without), with fused attention (no s^2 term, so selective recompute saves nothing
+  without, times ACTIVATION_SCALE for the torch-native spec), with fused attention (no s^2 term, so selective recompute saves nothing
   extra); MoE adds the MLP term once per extra routed expert; full recompute keeps
   only each layer's input (2 s b h). The first stage holds up to PP micro-batches
   in flight under 1F1B.
@@ -32,6 +32,11 @@ from .model_math import param_counts
 
 GIB = 1024**3
 WORKSPACE_GIB = 3.0
+# Korthikanti's constants describe GeLU layers with fused kernels. The torch-native layer
+# spec that runs without Transformer Engine (SwiGLU, SDPA, rotary copies) keeps more:
+# 42/34 of them, measured on 2 x H100 (evaluations/results/eval_sweep_*.md: 1 GPU, DP=2,
+# TP=2+SP and CP=2 all gave 1.24 x the formula's per-layer bytes).
+ACTIVATION_SCALE = 42 / 34
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     full_layer = 34 * sbh / tp if layout.sp else sbh * (10 + 24 / tp)
     if m.num_experts:
         full_layer += (m.moe_router_topk - 1) * 19 * sbh / tp
+    full_layer *= ACTIVATION_SCALE
     # Full recompute keeps each layer's input, plus one layer's activations while it is
     # recomputed for backward.
     per_layer = 2 * sbh / (tp if layout.sp else 1) if t.recompute == "full" else full_layer

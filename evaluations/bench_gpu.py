@@ -77,6 +77,7 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
         row.update(
             tokens_per_s_per_gpu=s["tokens_per_s_per_gpu"],
             mfu=s.get("mfu"),
+            mfu_palm=s.get("mfu_palm"),
             step_time_s=s["mean_step_time_s"],
             first_loss=s["first_loss"],
             last_loss=s["last_loss"],
@@ -98,14 +99,14 @@ def table(rows: list[dict], card: str) -> str:
     lines = [
         f"GPU: {card}",
         "",
-        "| case | GPUs | layout | tokens/s/GPU | MFU | step s | max alloc GiB | loss first→last | spec | placement checked |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | GPUs | layout | tokens/s/GPU | MFU (megatron) | MFU (palm) | step s | max alloc GiB | loss first→last | spec | placement checked |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) | | | | | | | |")
+            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) | | | | | | | | |")
             continue
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+        mfu = " | ".join(f"{r[k]:.1%}" if r.get(k) is not None else "n/a" for k in ("mfu", "mfu_palm"))
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
             f"{r['step_time_s']:.3f} | {r['memory_max_allocated_gib']:.1f} | "

@@ -291,13 +291,24 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
 
 
 def comm_profile(sweep_dir: Path, record) -> Path | None:
-    """The sweep's alpha-beta fit plot: the sweep directory's, else the first point's."""
+    """The sweep's alpha-beta fit plot: the sweep directory's, else the first point's, else
+    drawn from the profile the points' plans name (cluster.comm_profile)."""
     if (sweep_dir / COMM_PROFILE_PNG).is_file():
         return sweep_dir / COMM_PROFILE_PNG
     for point in record.points:
         job_dir = record.job_dir_of(point, sweep_dir)
         if job_dir is not None and (job_dir / COMM_PROFILE_PNG).is_file():
             return job_dir / COMM_PROFILE_PNG
+    for point in record.points:
+        job_dir = record.job_dir_of(point, sweep_dir)
+        named = read_json(job_dir / PLAN_FILE).get("comm_profile") if job_dir is not None else None
+        if named and Path(named).is_file():
+            from .comm_model import CommProfile, plot_profile
+
+            try:
+                return plot_profile(CommProfile.load(named), sweep_dir / COMM_PROFILE_PNG)
+            except ImportError:  # no matplotlib: no plot
+                return None
     return None
 
 

@@ -54,6 +54,11 @@ def test_default_run_logs_to_mlflow(run_launch, tmp_path):
     per_gpu = client.get_metric_history(run.info.run_id, "tokens_per_s_per_gpu")[0]
     assert tokens.value == pytest.approx(2 * per_gpu.value)
     assert "mfu" not in run.data.metrics  # a CPU has no known peak: no made-up MFU
+    assert run.data.metrics["tflops_per_gpu"] > 0
+    assert run.data.params["flops.definition"] == "megatron" and run.data.params["flops.peak_kind"] == "bf16"
+    assert float(run.data.params["flops.per_token_megatron"]) == summary["flops_per_token"]["megatron"]
+    assert run.info.run_name == "tiny_llama_cpu dp2" and run.data.params["derived.dp"] == "2"
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "placement.json", "placement.csv", "metrics.jsonl", "summary.json"} <= artifacts
 
@@ -68,11 +73,33 @@ def test_tensor_parallel_matches_data_parallel(run_launch, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=2e-3), (a["step"], a["loss"], b["loss"])
 
 
-def test_pipeline_parallel(run_launch, tmp_path):
-    result, job, history = run_experiment(run_launch, tmp_path, "+experiment=tiny_llama_pp2", "tracking=off")
+def test_pipeline_parallel_with_a_profiling_window(run_launch, tmp_path):
+    """PP=2 with steps 2-3 traced: a compressed trace per rank, the timer beside it, and an
+    analysis that says why a CPU run has no communication figures (never a NaN)."""
+    import gzip
+
+    result, job, history = run_experiment(run_launch, tmp_path, "+experiment=tiny_llama_pp2", "tracking=off",
+                                          "evaluate.profile_steps=[2,4]")
     assert_trains(history)
     coords = [json.loads(p.read_text()) for p in sorted((job / "ranks").glob("rank_*.json"))]
     assert [c["pp"] for c in coords] == [0, 1] and coords[0]["groups"]["pp"] == [0, 1]
+    for rank in (0, 1):
+        with gzip.open(job / "traces" / f"rank_{rank:05d}.json.gz", "rt") as f:
+            trace = json.load(f)
+        assert trace["distributedInfo"]["rank"] == rank
+        marks = sorted(e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("gridwright_step_"))
+        assert marks == ["gridwright_step_2", "gridwright_step_3"]
+        timer = json.loads((job / "traces" / f"rank_{rank:05d}.steps.json").read_text())
+        assert sorted(timer) == ["2", "3"] and all(v > 0 for v in timer.values())
+    comm = json.loads((job / "communication.json").read_text())
+    assert comm["available"] is False and "CPU/gloo" in comm["reason"]
+    summary_text = (job / "summary.json").read_text()
+    summary = json.loads(summary_text)
+    json.loads(summary_text, parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+    assert summary["communication"]["available"] is False
+    assert summary["steps_averaged"] == [1, 4, 5, 6, 7]  # warm-up and traced steps left out
+    assert sorted(summary["memory_peak_gib_per_rank"]) == ["0", "1"]
+    assert "communication: not measured" in result.stdout
 
 
 def test_mixtral_expert_parallel(run_launch, tmp_path):

@@ -44,7 +44,7 @@ def memory_record_path(job_dir, rank: int):
     """Where each rank leaves its peak memory at the end of training."""
     from pathlib import Path
 
-    return Path(job_dir) / "ranks" / f"rank_{rank:05d}.memory.json"
+    return Path(job_dir) / "ranks" / f"memory_{rank:05d}.json"
 
 
 class StepMetrics:

@@ -71,8 +71,8 @@ class Reporter:
         """The highest peak over every rank (each leaves a record), and which rank it was."""
         key = "memory_max_allocated_gib" if self.metrics.on_cuda else "memory_max_rss_gib"
         per_rank = {}
-        for path in sorted((self.job_dir / RANKS_DIR).glob("rank_*.memory.json")):
-            per_rank[int(path.name[5:10])] = json.loads(path.read_text())
+        for path in sorted((self.job_dir / RANKS_DIR).glob("memory_*.json")):
+            per_rank[int(path.stem.split("_")[1])] = json.loads(path.read_text())
         if not per_rank:  # an engine that leaves no records: the logging rank's own
             per_rank = {-1: {k: max(h[k] for h in self.history) for k in self.history[-1] if k.startswith("memory_")}}
         worst = max(per_rank, key=lambda r: per_rank[r][key])

@@ -1,10 +1,15 @@
 """Every validation rule: a broken experiment fails with a message naming values and a fix."""
+from pathlib import Path
+
 import pytest
 
 from gridwright.validation import ConfigError, validate
 
 GPU8 = ["cluster=dgx_h100", "precision=bf16", "zero=stage1", "train.seq_length=4096",
         "train.micro_batch_size=1", "train.global_batch_size=64"]
+
+# The alpha-beta profile measured on 2 x H100: it has fits for groups of 2 only.
+PROFILE_2GPU = Path(__file__).parents[1] / "evaluations" / "results" / "comm_profile_2xh100.json"
 
 BROKEN = {
     # name: (overrides, substrings the message must contain)
@@ -28,6 +33,14 @@ BROKEN = {
                     ["train.seq_length=4094 is not divisible by 2*parallel.cp=4"]),
     "global_batch": (["train.global_batch_size=7"], ["global_batch_size=7", "micro_batch_size=2 x DP=2 = 4"]),
     "fp8_on_cpu": (["precision=fp8_delayed"], ["needs CUDA GPUs"]),
+    "profile_window_outside_run": (["evaluate.profile_steps=[3,30]"],
+                                   ["evaluate.profile_steps=[3, 30]", "train.steps=20"]),
+    "profile_window_backwards": (["evaluate.profile_steps=[5,2]"], ["must be [first, last)"]),
+    "unknown_flops_definition": (["evaluate.flops_definition=titan"], ["evaluate.flops_definition='titan'", "megatron, palm"]),
+    "missing_comm_profile": (["cluster.comm_profile=/nonexistent/profile.json"], ["does not exist", "bench_collectives"]),
+    "comm_profile_without_the_group_size": (
+        GPU8 + ["model=llama3_8b", f"cluster.comm_profile={PROFILE_2GPU}"],
+        ["no reduce_scatter fit for groups of 8 ranks", "measured group sizes: 2"]),
     "mxfp8_on_hopper": (GPU8 + ["model=llama3_8b", "precision=mxfp8", "launcher=plan"],
                         ["does not support FP8 recipe 'mxfp8'", "Blackwell"]),
     "fp8_without_te_locally": (GPU8 + ["model=bench_1b", "cluster=h100_x1", "precision=fp8_delayed",

@@ -164,8 +164,8 @@ class UnmeasuredGroupSize(LookupError):
         super().__init__(
             f"the communication profile{where} has no {collective} fit for groups of "
             f"{group_size} ranks (measured group sizes: {sizes}). Fix: rerun "
-            "`python -m gridwright.evaluations.bench_collectives` with this job's --job-dir, "
-            "or on at least as many ranks."
+            "`torchrun --nproc_per_node N -m gridwright.evaluations.bench_collectives` with this "
+            "job's --job-dir, or on at least as many ranks."
         )
 
 

@@ -409,6 +409,23 @@ def check_evaluate(cfg) -> list[str]:
     return out
 
 
+def check_comm_profile(cfg, layout: ParallelLayout) -> list[str]:
+    """A named collective profile must cover every group this layout communicates over."""
+    path = cfg.cluster.comm_profile
+    if path is None or not os.path.isfile(path):
+        return []  # a missing file is check_evaluate's message
+    from .comm_model import CommProfile, predict_step_communication
+
+    try:
+        predict_step_communication(cfg, layout, CommProfile.load(path))
+    except LookupError as e:
+        return [f"cluster.comm_profile: {e}"]
+    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        return [f"cluster.comm_profile={path} is not a gridwright communication profile "
+                f"({type(e).__name__}: {e}). Fix: write one with bench_collectives, or set cluster.comm_profile=null."]
+    return []
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -424,6 +441,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_context_parallel(cfg, layout)
         problems += check_batch(cfg, layout)
         problems += check_engine(cfg, layout)
+        problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
     problems += check_launcher(cfg)
     problems += check_checkpoint(cfg)

@@ -2,6 +2,8 @@
 import json
 import subprocess
 
+import pytest
+
 from conftest import only_job_dir
 
 from gridwright.model_math import model_flops_per_token, param_counts
@@ -79,3 +81,23 @@ def test_layout_sweep_reports_invalid_points_and_goes_on(tmp_path):
     # A sweep keeps its points in one directory: jobs/sweeps/<experiment>/<time>-<id>/<n>-<layout>
     planned = [p for p in (tmp_path / "jobs").glob("sweeps/*/*/*") if (p / "placement.json").exists()]
     assert len(planned) == 1
+
+
+def test_plan_with_a_comm_profile_predicts_each_groups_communication(run_launch, tmp_path):
+    """The alpha-beta profile measured on 2 x H100 turns the plan's call list into seconds."""
+    from pathlib import Path
+
+    profile = Path(__file__).parents[1] / "evaluations" / "results" / "comm_profile_2xh100.json"
+    result = run_launch("+experiment=eval_tp2_sp", "launcher=plan", f"cluster.comm_profile={profile}")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads((only_job_dir(tmp_path) / "plan.json").read_text())
+    tp = plan["predicted_communication"]["tp"]
+    assert tp["group_size"] == 2 and tp["bytes"] > 0 and tp["seconds"] > 0
+    from gridwright.comm_model import CommProfile
+
+    measured = CommProfile.load(profile)
+    for call in tp["calls"]:  # each call's seconds: count x the fitted time of one call
+        one = measured.seconds(call["collective"], call["group_size"], call["size_bytes"])
+        assert call["seconds"] == pytest.approx(call["count"] * one)
+    assert tp["seconds"] == pytest.approx(sum(call["seconds"] for call in tp["calls"]))
+    assert f"comm/step   tp {tp['bytes'] / 1e6:,.0f} MB {tp['seconds'] * 1e3:,.1f} ms" in result.stdout

@@ -15,8 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from .atomic_io import write_text_atomic
 
 TRACES_DIR = "traces"
@@ -50,6 +48,8 @@ class ProfileWindow:
     def before_step(self, step: int) -> None:
         if step != self.first:
             return
+        import torch  # here, so that readers of the trace files' names need no torch
+
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.on_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -26,9 +26,13 @@ one host; across hosts the split is reported only as a lower-quality estimate).
 Why not HolisticTraceAnalysis itself: its overlap figure is one number per rank over the
 whole trace, with no step windows, no process-group attribution and no skew split, and it
 pulls in a large dependency tree; the interval arithmetic below is the same definition,
-applied per step and per group. GPU traces only: a CPU (gloo) run has no device kernels
-(gloo collectives block the calling thread), so the analysis says so instead of
-inventing numbers.
+applied per step and per group. Checked against it once: on a whole DP=2 overlap trace
+(2 x H100), HTA's `get_comm_comp_overlap` gave 59.4 % and 47.3 % on ranks 0 and 1,
+this module's interval arithmetic 60.3 % and 48.0 % (60.2 % and 47.9 % with memory
+copies not counted as compute; the remaining point was not traced further).
+
+GPU traces only: a CPU (gloo) run has no device kernels (gloo collectives block the
+calling thread), so the analysis says so instead of inventing numbers.
 """
 from __future__ import annotations
 

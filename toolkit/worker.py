@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate_communication(cfg, layout: ParallelLayout, job_dir: Path) -> dict:
     """Analyse every rank's trace (all were written before training's final barrier)."""
-    from .trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report, summary_of
+    from .trace_analysis import TraceError, analyze, format_report, summary_of
 
     try:
         doc = analyze(job_dir)

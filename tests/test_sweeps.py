@@ -263,3 +263,19 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
         result = sync(bad, "--tracking-uri", f"sqlite:///{tmp_path / 'bad.db'}", cwd=tmp_path)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "bad.db").exists()
+
+
+def test_committed_gpu_sweep_syncs_with_distinct_names_and_its_measurements(tmp_path):
+    """The evaluation sweep measured on 2 x H100 (records committed without traces) logs as
+    one parent and seven nested runs; points that differ only by preset get distinct names."""
+    sweep_dir = Path(__file__).parents[1] / "evaluations" / "results" / "eval_sweep_2xh100_20261126-1201"
+    result = sync(sweep_dir, "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", cwd=tmp_path)
+    assert result.returncode == 0 and "with 8 new run(s)" in result.stdout, result
+    client, runs = runs_of(tmp_path / "mlflow.db")
+    assert len(runs) == 8  # names are unique: the dict kept every run
+    assert {"eval_bench dp2 eval_dp2", "eval_bench dp2 eval_dp2_overlap", "eval_bench tp2-sp-dp1 eval_tp2_sp"} <= set(runs)
+    parent = next(r for r in runs.values() if "mlflow.parentRunId" not in r.data.tags)
+    assert {"comparison.md", "mfu.png", "step_breakdown.png", "comm_profile.png"} <= artifacts(client, parent)
+    tp = runs["eval_bench tp2-sp-dp1 eval_tp2_sp"].data.metrics
+    assert tp["summary.mfu"] < tp["summary.mfu_palm"]
+    assert tp["summary.communication.by_group.tp.predicted_bytes"] == tp["summary.communication.by_group.tp.bytes"]

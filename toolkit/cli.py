@@ -90,7 +90,7 @@ def run_locally(cfg, layout, job_dir) -> int:
     if cfg.tracking.enabled:
         from . import sweep, tracking
 
-        run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags())
+        run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags(), name_suffix=sweep.run_name_suffix())
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
         print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
     code = run_local(cfg, job_dir, env)

@@ -30,7 +30,7 @@ from .compose import strip_hydra
 from .jobdir import (JOB_FILE, SWEEP_FILE, JobDirExists, check_job_dir_free, create_sweep_dir, enter_sweep_point,
                      leave_sweep_point, planned_job_dir, read_json)
 from .layout import ParallelLayout
-from .sweep_report import override_key, point_label, swept_keys, write_report
+from .sweep_report import name_suffix, override_key, point_label, swept_keys, write_report
 from .validation import ConfigError, validate
 
 EXIT_INVALID = 2
@@ -98,6 +98,7 @@ class ActiveSweep:
     def __init__(self, cfg, sweep_dir: Path, record: SweepRecord):
         self.dir, self.record = sweep_dir, record
         self.point_num: int | None = None  # the point running now
+        self.point_overrides: list[str] = []
         self.point_started_ms = 0
         self.client = self.exp_id = self.parent_run_id = None
         if cfg.tracking.enabled:
@@ -120,6 +121,13 @@ class ActiveSweep:
 
 
 _active: ActiveSweep | None = None
+
+
+def run_name_suffix() -> str:
+    """What the run of the point starting now adds to its name (gridwright.tracking.run_name)."""
+    if _active is None:
+        return ""
+    return name_suffix(_active.record.overrides, _active.point_overrides)
 
 
 def run_tags() -> dict[str, str]:
@@ -146,12 +154,13 @@ def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
         status, error = "invalid", _why_invalid(cfg)
     else:
         status, error = "failed", f"exit code {value}"
+    overrides = [str(o) for o in config.hydra.overrides.task]
     point = {
         "num": num,
-        "name": tracking.run_name(cfg, slug),
+        "name": tracking.run_name(cfg, slug, name_suffix(sweep.record.overrides, overrides)),
         "slug": slug,
         "layout": layout,
-        "overrides": [str(o) for o in config.hydra.overrides.task],
+        "overrides": overrides,
         "job_dir": None,
         "job_id": f"{sweep.record.id}-{num}",
         "status": status,
@@ -196,6 +205,7 @@ class SweepCallback(Callback):
         if _active is None:
             return
         _active.point_num = int(config.hydra.job.num)
+        _active.point_overrides = [str(o) for o in config.hydra.overrides.task]
         _active.point_started_ms = _now_ms()
         enter_sweep_point(_active.dir, _active.point_num)
 

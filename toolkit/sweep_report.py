@@ -73,6 +73,18 @@ def swept_keys(overrides: list[str]) -> set[str]:
     return {override_key(o.input_line) for o in parsed if o.is_sweep_override()}
 
 
+def name_suffix(sweep_overrides: list[str], point_overrides: list[str]) -> str:
+    """What tells a point's run apart when the sweep varies more than the layout: the
+    point's values of the swept keys outside `parallel.*` (a swept preset by its name)."""
+    varied = {k for k in swept_keys(sweep_overrides) if not k.startswith("parallel.")}
+    parts = []
+    for item in point_overrides:
+        key, _, value = item.partition("=")
+        if override_key(item) in varied:
+            parts.append(value if override_key(item) == "experiment" else f"{key.lstrip('+~')}={value}")
+    return " ".join(parts)
+
+
 def point_row(sweep_dir: Path, record, point: dict) -> dict:
     """One row of the comparison: what the point's records say (None where silent)."""
     job_dir = record.job_dir_of(point, sweep_dir)

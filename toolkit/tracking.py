@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
                      job_record, load_job_config, read_json)
 from .layout import ParallelLayout
-from .sweep_report import COMM_PROFILE_PNG, SweepReport, override_key, write_report
+from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,9 +152,10 @@ def job_params(cfg, layout: ParallelLayout, job_dir: Path | None = None) -> dict
     return {**flatten(cfg), **derived_params(cfg, layout), **plan_params(job_dir)}
 
 
-def run_name(cfg, slug: str) -> str:
-    """`<experiment> <layout slug>`, e.g. `llama3_8b tp2-sp-dp4`."""
-    return f"{cfg.name} {slug}"
+def run_name(cfg, slug: str, suffix: str = "") -> str:
+    """`<experiment> <layout slug>`, e.g. `llama3_8b tp2-sp-dp4`; a sweep that varies more
+    than the layout adds the point's values (`tiny_llama_cpu dp2 train.lr=1e-3`)."""
+    return f"{cfg.name} {slug}" + (f" {suffix}" if suffix else "")
 
 
 def git_commit() -> str:
@@ -198,9 +199,9 @@ def _log_metrics(client, run_id: str, metrics) -> None:
 
 
 def create_job_run(client, exp_id: str, cfg, layout: ParallelLayout, job_dir: Path, *,
-                   tags: dict | None = None, start_time: int | None = None) -> str:
+                   tags: dict | None = None, start_time: int | None = None, name_suffix: str = "") -> str:
     """A new run for the job in `job_dir`: name, tags, params and the planning artifacts."""
-    run = client.create_run(exp_id, start_time=start_time, run_name=run_name(cfg, layout.slug()),
+    run = client.create_run(exp_id, start_time=start_time, run_name=run_name(cfg, layout.slug(), name_suffix),
                             tags={**job_tags(cfg, layout, job_dir), **(tags or {})})
     run_id = run.info.run_id
     _log_params(client, run_id, job_params(cfg, layout, job_dir))
@@ -275,7 +276,7 @@ def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -
 
 
 def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None,
-                tags: dict | None = None) -> tuple[str, bool]:
+                tags: dict | None = None, name_suffix: str = "") -> tuple[str, bool]:
     """Log a job directory as one run unless a run with its job id exists already; a run
     logged as planned whose job has run since (torchrun/Slurm) gets the results. `status`
     (from a sweep's record) is taken unless the files show the planned job has run.
@@ -292,7 +293,7 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
         run_id = existing.info.run_id
     else:
         run_id = create_job_run(client, exp_id, cfg, ParallelLayout.from_config(cfg), job_dir,
-                                start_time=record.get("created_ms"), tags=tags)
+                                start_time=record.get("created_ms"), tags=tags, name_suffix=name_suffix)
     log_job_results(client, run_id, job_dir, step_metrics=True)
     client.set_tag(run_id, STATUS_TAG, status)
     client.set_terminated(run_id, status=MLFLOW_STATUS[status], end_time=last_write_ms(job_dir))
@@ -300,13 +301,13 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
 
 
 # Live runs -----------------------------------------------------------------
-def open_run(cfg, job_dir: Path, layout, tags: dict | None = None) -> str:
+def open_run(cfg, job_dir: Path, layout, tags: dict | None = None, name_suffix: str = "") -> str:
     """Create the MLflow run of a job about to start (params, tags, config, placement and
     plan artifacts); `tags` may nest it under a sweep's run. Returns its id."""
     uri = tracking_uri(cfg)
     client = client_for(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, uri)
-    return create_job_run(client, exp_id, cfg, layout, Path(job_dir), tags=tags)
+    return create_job_run(client, exp_id, cfg, layout, Path(job_dir), tags=tags, name_suffix=name_suffix)
 
 
 class MetricsLogger:
@@ -371,7 +372,8 @@ def log_sweep_point(client, exp_id: str, sweep_dir: Path, record, point: dict, p
     tags = {PARENT_TAG: parent_run_id, SWEEP_POINT_TAG: str(point["num"])}
     job_dir = record.job_dir_of(point, sweep_dir)
     if job_dir is not None and job_dir.is_dir():
-        return log_job_dir(client, exp_id, job_dir, status=point["status"], tags=tags)
+        return log_job_dir(client, exp_id, job_dir, status=point["status"], tags=tags,
+                           name_suffix=name_suffix(record.overrides, point.get("overrides", [])))
     existing = find_run(client, exp_id, JOB_ID_TAG, point["job_id"])
     if existing is not None:
         return existing.info.run_id, False

@@ -3,7 +3,8 @@ measurement, memory estimate vs peak.
 
     python -m gridwright.evaluations.eval_results SWEEP_DIR [--out DIR]
 
-Reads the sweep's points (summary.json, communication.json, plan.json); writes
+Reads the sweep's points (summary.json, whose means leave out the warm-up and traced
+steps; communication.json; plan.json); writes
 `eval_sweep_<time>.md` beside the other results. Measured communication per group is
 NCCL kernel time from the traces; `wait` is the part spent before the last member of the
 communicator arrived (skew), so `transfer` = measured - wait is what the alpha-beta
@@ -13,40 +14,28 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
+from gridwright.jobdir import PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
+from gridwright.sweep import SweepRecord
+from gridwright.trace_analysis import COMMUNICATION_FILE
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def steady_means(job: Path, traced: list[int]) -> dict:
-    """Means over the steps after the first that were not traced (the profiler slows them)."""
-    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in rows[1:] if r["step"] not in set(traced)] or rows[1:]
-    return {k: sum(r[k] for r in steady) / len(steady)
-            for k in ("tokens_per_s_per_gpu", "mfu", "mfu_palm", "hfu", "step_time_s") if k in steady[0]}
 
 
 def estimate_now(job: Path) -> float:
     """This code's memory estimate for the job's config, without the fixed workspace (which
     the allocator's peak does not hold), to compare with the measured peak."""
-    from omegaconf import OmegaConf
-
-    from gridwright.compose import strip_hydra
     from gridwright.layout import ParallelLayout
     from gridwright.memory_estimate import estimate_memory
 
-    cfg = strip_hydra(OmegaConf.load(job / "config.yaml"))
+    cfg = load_job_config(job)
     est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
     return est.total_gib - est.workspace_gib
 
 
 def tables(sweep_dir: Path) -> str:
-    sweep = _load(sweep_dir / "sweep.json")
+    record = SweepRecord.load(sweep_dir)
     head = [
         "| point | layout | tokens/s/GPU (untraced steps) | MFU megatron | MFU palm | HFU | step ms (untraced) | traced step ms | compute ms | exposed comm ms | idle ms | overlap % | peak alloc GiB (rank) | estimate at run time | estimate now |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -55,17 +44,18 @@ def tables(sweep_dir: Path) -> str:
         "| point | group | predicted ms | measured ms | wait (skew) ms | transfer ms | predicted / transfer | exposed ms | MB/step measured | MB/step predicted |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for point in sweep.get("points", []):
-        job = Path(point["job_dir"])
-        job = job if job.exists() else sweep_dir / job.name
-        s, c, plan = _load(job / "summary.json"), _load(job / "communication.json"), _load(job / "plan.json")
+    for point in record.points:
+        job = record.job_dir_of(point, sweep_dir)
+        if job is None:  # an invalid point has no job directory
+            head.append(f"| {point['num']} | {point.get('status')} | | | | | | | | | | | | | |")
+            continue
+        s = read_json(job / SUMMARY_FILE)
+        c, plan = read_json(job / COMMUNICATION_FILE), read_json(job / PLAN_FILE)
         name = job.name
         if not s:
             head.append(f"| {name} | {point.get('status')} | | | | | | | | | | | | | |")
             continue
         m = c.get("mean", {})
-        s = {**s, **steady_means(job, c.get("steps", []))}
-        s["mean_step_time_s"] = s.pop("step_time_s")
         ms = lambda v: f"{v * 1e3:.1f}" if v is not None else ""  # noqa: E731
         head.append(
             f"| {name} | {plan.get('layout', {}).get('slug', '')} | {s['tokens_per_s_per_gpu']:,.0f} | {s.get('mfu', 0):.1%} | "

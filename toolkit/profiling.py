@@ -4,8 +4,9 @@
 `traces/rank_NNNNN.json.gz` (Chrome trace format, gzip) into the job directory, where
 `gridwright.trace_analysis` reads them. The profiler is started and stopped by hand
 rather than through its wait/warmup/active schedule, so that the traced steps are
-exactly the ones named, and every step is marked by `gridwright.step_time` (the range
-the step timer measures), which the analysis takes as the step's window.
+exactly the ones named, and every step is marked by a `gridwright_step_N` range (the
+interval the step timer measures, `step_metrics.timed_step`), which the analysis takes
+as the step's window.
 """
 from __future__ import annotations
 
@@ -40,10 +41,6 @@ class ProfileWindow:
         self.job_dir, self.rank = Path(job_dir), rank
         self.profiler = None
         self.timer: dict[int, float] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return self.first is not None
 
     def before_step(self, step: int) -> None:
         if step != self.first:

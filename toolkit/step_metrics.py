@@ -5,13 +5,17 @@ beside it under the palm definition, so numbers compare with either school.
 """
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from .jobdir import RANKS_DIR
 from .model_math import flops_record
+from .profiling import STEP_RANGE_PREFIX
 
 
 def timed_step(train_step, step: int, on_cuda: bool) -> dict:
@@ -19,7 +23,7 @@ def timed_step(train_step, step: int, on_cuda: bool) -> dict:
     if on_cuda:
         torch.cuda.synchronize()
     # The range marks, in a profiler trace, exactly the interval the timer measures.
-    with torch.profiler.record_function(f"gridwright_step_{step}"):
+    with torch.profiler.record_function(f"{STEP_RANGE_PREFIX}{step}"):
         start = time.perf_counter()
         metrics = train_step(step)
         if on_cuda:
@@ -40,11 +44,15 @@ def memory_peaks_gib(on_cuda: bool) -> dict[str, float]:
     return {"memory_max_rss_gib": rss_kib * scale / 2**30}
 
 
-def memory_record_path(job_dir, rank: int):
+def memory_record_path(job_dir, rank: int) -> Path:
     """Where each rank leaves its peak memory at the end of training."""
-    from pathlib import Path
+    return Path(job_dir) / RANKS_DIR / f"memory_{rank:05d}.json"
 
-    return Path(job_dir) / "ranks" / f"memory_{rank:05d}.json"
+
+def read_memory_records(job_dir) -> dict[int, dict]:
+    """Every rank's peak-memory record, by rank."""
+    return {int(p.stem.split("_")[1]): json.loads(p.read_text())
+            for p in sorted((Path(job_dir) / RANKS_DIR).glob("memory_*.json"))}
 
 
 class StepMetrics:

@@ -26,7 +26,9 @@ from omegaconf import OmegaConf
 from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
                      job_record, load_job_config, read_json)
 from .layout import ParallelLayout
+from .profiling import TRACES_DIR
 from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
+from .trace_analysis import COMMUNICATION_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +43,7 @@ ERROR_TAG = "gridwright.error"
 MLFLOW_STATUS = {"finished": "FINISHED", "planned": "FINISHED", "failed": "FAILED", "invalid": "FAILED"}
 
 SETUP_FILES = (CONFIG_FILE, PLACEMENT_JSON, PLACEMENT_CSV, PLAN_FILE)
-RESULT_FILES = (SUMMARY_FILE, METRICS_FILE, "communication.json", COMM_PROFILE_PNG)
-TRACES_DIR = "traces"
+RESULT_FILES = (SUMMARY_FILE, METRICS_FILE, COMMUNICATION_FILE, COMM_PROFILE_PNG)
 MAX_PARAM_CHARS = 6000
 
 
@@ -325,9 +326,6 @@ class MetricsLogger:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
         self.client.log_batch(self.run_id, metrics=batch)
-
-    def log_artifact(self, path: Path) -> None:
-        self.client.log_artifact(self.run_id, str(path))
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)

@@ -11,6 +11,7 @@ import os
 
 from .layout import ParallelLayout
 from .memory_estimate import estimate_memory
+from .model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from .placement import Placement, plan_placement
 
 ENGINES = ("megatron", "deepspeed")
@@ -22,7 +23,6 @@ FP8_FORMATS = ("e4m3", "hybrid")
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
 FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
-FLOPS_DEFINITIONS = ("megatron", "palm")  # gridwright.model_math.DEFINITIONS
 
 
 class ConfigError(ValueError):

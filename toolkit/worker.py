@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 from .atomic_io import write_text_atomic
-from .jobdir import METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config
+from .jobdir import METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json
 from .layout import ParallelLayout
-from .step_metrics import StepMetrics
-from .trace_analysis import COMMUNICATION_FILE
+from .step_metrics import StepMetrics, read_memory_records
 
 # gridwright's placement names -> Megatron-Core's group getters in observed_coordinates().
 CHECKED_GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
@@ -44,10 +43,15 @@ class Reporter:
         self.metrics = StepMetrics(cfg, layout.world_size)
         self.history: list[dict] = []
         self.mlflow = None
+        # A launching process that opened the run (local launcher) also logs the results
+        # when it closes it; a run opened here (torchrun/Slurm) gets them from this rank.
+        self.opened_run_here = False
         if cfg.tracking.enabled:
             from . import tracking
 
-            run_id = os.environ.get("MLFLOW_RUN_ID") or tracking.open_run(cfg, job_dir, layout)
+            run_id = os.environ.get("MLFLOW_RUN_ID")
+            if not run_id:
+                run_id, self.opened_run_here = tracking.open_run(cfg, job_dir, layout), True
             self.mlflow = tracking.MetricsLogger(cfg, run_id)
 
     def on_step(self, step: int, raw: dict) -> None:
@@ -70,9 +74,7 @@ class Reporter:
     def _memory_peaks(self) -> dict:
         """The highest peak over every rank (each leaves a record), and which rank it was."""
         key = "memory_max_allocated_gib" if self.metrics.on_cuda else "memory_max_rss_gib"
-        per_rank = {}
-        for path in sorted((self.job_dir / RANKS_DIR).glob("memory_*.json")):
-            per_rank[int(path.stem.split("_")[1])] = json.loads(path.read_text())
+        per_rank = read_memory_records(self.job_dir)
         if not per_rank:  # an engine that leaves no records: the logging rank's own
             per_rank = {-1: {k: max(h[k] for h in self.history) for k in self.history[-1] if k.startswith("memory_")}}
         worst = max(per_rank, key=lambda r: per_rank[r][key])
@@ -104,18 +106,15 @@ class Reporter:
             if key in self.history[-1]:
                 summary[key] = sum(h[key] for h in steady) / len(steady)
         summary.update(self._memory_peaks())
-        plan = self.job_dir / PLAN_FILE
-        if plan.exists():
-            estimate = json.loads(plan.read_text()).get("memory_estimate")
-            if estimate:  # the allocator's peak holds no CUDA context or NCCL buffers
-                summary["memory_estimate_gib"] = estimate["total_gib"]
-                summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
+        estimate = read_json(self.job_dir / PLAN_FILE).get("memory_estimate")
+        if estimate:  # the allocator's peak holds no CUDA context or NCCL buffers
+            summary["memory_estimate_gib"] = estimate["total_gib"]
+            summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
-        if self.mlflow is not None:
-            self.mlflow.log_artifact(self.job_dir / SUMMARY_FILE)
-            self.mlflow.log_artifact(self.job_dir / METRICS_FILE)
-            if (self.job_dir / COMMUNICATION_FILE).exists():
-                self.mlflow.log_artifact(self.job_dir / COMMUNICATION_FILE)
+        if self.mlflow is not None and self.opened_run_here:
+            from . import tracking
+
+            tracking.log_job_results(self.mlflow.client, self.mlflow.run_id, self.job_dir, step_metrics=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,23 +148,23 @@ def main(argv: list[str] | None = None) -> int:
     if "reporter" in state:
         extra = {"layer_spec": state["spec"], "placement_verified": True}
         if cfg.evaluate.profile_steps is not None:
-            extra["communication"] = evaluate_communication(cfg, layout, job_dir)
+            extra["communication"] = evaluate_communication(job_dir)
         state["reporter"].finish(extra)
     return 0
 
 
-def evaluate_communication(cfg, layout: ParallelLayout, job_dir: Path) -> dict:
-    """Analyse every rank's trace (all were written before training's final barrier)."""
-    from .trace_analysis import TraceError, analyze, format_report, summary_of
+def evaluate_communication(job_dir: Path) -> dict:
+    """Analyse every rank's trace (all were written before training's final barrier), beside
+    the plan's prediction (plan.json, when the cluster named a comm profile)."""
+    from .trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report, summary_of
 
     try:
         doc = analyze(job_dir)
     except TraceError as e:
         doc = {"available": False, "reason": str(e)}
-    if cfg.cluster.comm_profile:
-        from .comm_model import CommProfile, predict_step_communication
-
-        doc["predicted"] = predict_step_communication(cfg, layout, CommProfile.load(cfg.cluster.comm_profile))
+    predicted = read_json(job_dir / PLAN_FILE).get("predicted_communication")
+    if predicted is not None:
+        doc["predicted"] = predicted
     write_text_atomic(job_dir / COMMUNICATION_FILE, json.dumps(doc, indent=1))
     print(format_report(doc), flush=True)
     out = summary_of(doc)

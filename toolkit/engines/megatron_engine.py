@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from ..data_source import make_source
 from ..layout import ParallelLayout
-from ..profiling import ProfileWindow
 from ..atomic_io import write_text_atomic
+from ..profiling import ProfileWindow
 from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
 from ..validation import transformer_engine_available
 from . import megatron_checkpoint

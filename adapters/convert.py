@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..atomic_io import staged_directory
+from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint
 from . import weight_map as wm
 from .hf_architecture import (
     UnsupportedModel,
@@ -39,7 +40,7 @@ from .hf_architecture import (
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
 from .megatron_files import CheckpointReader, Slice, write_checkpoint
 
-ITERATION = "iter_0000000"  # what megatron_checkpoint.iteration_name(0) gives
+ITERATION = iteration_name(0)  # a converted checkpoint holds weights: training starts at step 0
 RECORD = "conversion.json"
 HF_SOURCE = "hf_source"  # config.json and tokenizer files of the source, kept for the way back
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -225,7 +226,7 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
         }
         (tmp / ITERATION).mkdir()
         write_checkpoint(tmp / ITERATION, slices, produce, common)
-        (tmp / "latest").write_text(ITERATION + "\n")
+        (tmp / LATEST).write_text(ITERATION + "\n")
         (tmp / HF_SOURCE).mkdir()
         shutil.copy2(hf_dir / "config.json", tmp / HF_SOURCE / "config.json")
         for f in SIDE_FILES:
@@ -252,8 +253,6 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
     """(root, iteration directory) from either a checkpoint root (with `latest`) or one iteration."""
     if (path / "metadata.json").is_file():
         return path.parent, path
-    from ..engines.megatron_checkpoint import CheckpointError, latest_checkpoint
-
     try:
         it = latest_checkpoint(path) if path.is_dir() else None
     except CheckpointError as e:

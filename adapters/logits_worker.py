@@ -32,7 +32,8 @@ def main() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from ..engines.megatron_checkpoint import load_model_weights, read_common
+    from ..checkpoint_dir import read_common
+    from ..engines.megatron_checkpoint import load_model_weights
     from .convert import layout_run_config
     from ..engines.megatron_cpu_compat import cpu_compat
     from ..engines.megatron_engine import init_parallel

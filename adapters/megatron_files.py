@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..engines.megatron_checkpoint import read_common
+from ..checkpoint_dir import read_common
 
 # What Megatron-Core 0.16.1's dist_checkpointing writes into metadata.json for torch_dist.
 BACKEND_METADATA = {

@@ -10,7 +10,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from .compose import strip_hydra
+from .compose import composition_notes, strip_hydra
 from .atomic_io import write_text_atomic
 from .jobdir import PLAN_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir
 from .memory_estimate import estimate_memory
@@ -43,6 +43,7 @@ def plan_text(cfg, layout, placement, job_dir, plan: dict) -> str:
     lines += plan_lines(plan)
     if cfg.cluster.device == "cuda":
         lines.append(f"memory/GPU  {estimate_memory(cfg, layout).describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
+    lines += [f"note        {n}" for n in composition_notes(cfg)]
     lines.append(f"job dir     {job_dir}")
     lines.append("placement")
     lines.append(placement.table())
@@ -57,6 +58,8 @@ def run(hydra_cfg: DictConfig) -> int:
         check_job_dir_free(job_dir)
     except (ConfigError, JobDirExists) as e:
         print(f"error: {e}", file=sys.stderr)
+        for note in composition_notes(cfg):
+            print(f"note: {note}", file=sys.stderr)
         return EXIT_INVALID
     create_job_dir(cfg, placement, job_dir)
     plan = plan_record(cfg, layout, placement)

@@ -5,6 +5,7 @@ tests and tools use `compose_config` with the same config tree.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -33,10 +34,81 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def strip_hydra(cfg: DictConfig) -> DictConfig:
-    """The run's own config, resolved, without Hydra's runtime node."""
+    """The run's own config, resolved, without Hydra's runtime node, and named."""
     container = OmegaConf.to_container(cfg, resolve=True)
     container.pop("hydra", None)
     typed = OmegaConf.structured(RunConfig)
     merged = OmegaConf.merge(typed, container)
+    if merged.name is None:
+        merged.name = derived_name(merged)
     OmegaConf.set_struct(merged, True)
     return merged
+
+
+# Groups that change what is trained and where; launcher and tracking do not, and the
+# layout is in every run's name already.
+NAMING_GROUPS = ("cluster", "engine", "zero", "precision")
+
+
+@functools.lru_cache(maxsize=1)
+def root_defaults() -> dict[str, str]:
+    """Each group's default option in conf/config.yaml (`model: tiny_llama`, ...)."""
+    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    return {k: v for entry in defaults if isinstance(entry, DictConfig) for k, v in entry.items()
+            if isinstance(v, str) and not k.startswith("override")}
+
+
+def group_choices(cfg) -> dict[str, str]:
+    """The option of each naming group that the composed values correspond to."""
+    z = cfg.zero
+    return {
+        "model": cfg.model.name,
+        "cluster": cfg.cluster.name,
+        "engine": cfg.engine.name,
+        "zero": f"stage{z.stage}" + ("_offload" if z.offload_optimizer or z.offload_params else ""),
+        "precision": cfg.precision.name,
+    }
+
+
+def derived_name(cfg) -> str:
+    """A run without a preset is named after its model and each group chosen away from the
+    defaults: `tiny_llama`, `llama3_8b-dgx_h100`, `tiny_llama-deepspeed-stage3`. Without
+    this every such run would file itself under the default experiment's name."""
+    chosen, defaults = group_choices(cfg), root_defaults()
+    parts = [chosen["model"]] + [chosen[g] for g in NAMING_GROUPS if chosen[g] != defaults.get(g)]
+    return "-".join(parts)
+
+
+def presets_for_model(model: str) -> list[str]:
+    """Experiment presets (conf/experiment/) that choose this model."""
+    out = []
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        defaults = OmegaConf.load(path).get("defaults") or []
+        if any(isinstance(e, DictConfig) and e.get("override /model") == model for e in defaults):
+            out.append(path.stem)
+    return out
+
+
+def composition_notes(cfg) -> list[str]:
+    """Root defaults that a run probably did not mean to keep: worth a word, not a refusal.
+
+    The root config is sized for the tiny model on a CPU; choosing a large model or a GPU
+    cluster without a preset keeps its training settings and fp32 unless told otherwise.
+    """
+    notes = []
+    root = OmegaConf.load(CONF_DIR / "config.yaml")
+    kept = {k: v for k, v in root.train.items() if cfg.train[k] == v}
+    if cfg.model.name != root_defaults().get("model") and "seq_length" in kept:
+        presets = presets_for_model(cfg.model.name)
+        hint = (f"start from a preset for {cfg.model.name} (" + ", ".join(f"+experiment={p}" for p in presets)
+                + ") or set them" if presets else "set them")
+        notes.append(
+            f"these train.* values are the root defaults, sized for {root_defaults()['model']} on a CPU: "
+            + ", ".join(f"{k}={v}" for k, v in kept.items()) + f". For {cfg.model.name}, {hint}."
+        )
+    if cfg.cluster.device == "cuda" and cfg.precision.params_dtype == "fp32":
+        notes.append(
+            "precision=fp32 on GPUs (the CPU default): training runs in fp32 while MFU divides by the bf16 "
+            "peak. Set precision=bf16 unless fp32 is what you want."
+        )
+    return notes

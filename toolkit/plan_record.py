@@ -45,10 +45,11 @@ def plan_record(cfg, layout, placement) -> dict:
 def plan_lines(doc: dict) -> list[str]:
     """The plan record's lines in the printed plan."""
     f = doc["flops_per_token"]
+    mfu = (f"mfu uses {doc['flops_definition']}, peak {doc['peak_tflops']:g} TFLOP/s {doc['peak_kind']}"
+           if doc["peak_tflops"] > 0 else "no MFU: the cluster's device has no known peak FLOP/s")
     lines = [
-        f"FLOPs/token {f['megatron'] / 1e9:,.2f} G (megatron: causal attention halved)   "
-        f"{f['palm'] / 1e9:,.2f} G (palm: attention in full)   mfu uses {doc['flops_definition']}, "
-        f"peak {doc['peak_tflops']:g} TFLOP/s {doc['peak_kind']}",
+        f"FLOPs/token {_flops(f['megatron'])} (megatron: causal attention halved)   "
+        f"{_flops(f['palm'])} (palm: attention in full)   {mfu}",
     ]
     pred = doc.get("predicted_communication")
     if pred:
@@ -59,3 +60,10 @@ def plan_lines(doc: dict) -> list[str]:
         lines.append("comm/step   " + ("; ".join(parts) if parts else "none (every group has one rank)")
                      + f"   (alpha-beta profile {doc['comm_profile']})")
     return lines
+
+
+def _flops(n: float) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f}"

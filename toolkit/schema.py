@@ -186,7 +186,9 @@ class EvaluateConfig:
 class RunConfig:
     """The whole experiment, as composed by Hydra from `conf/`."""
 
-    name: str = "tiny_llama_cpu"  # the experiment's name (job directories, MLflow tags)
+    # The experiment's name (job directories, MLflow run names). Presets set it; otherwise
+    # composition derives it from the model and the groups chosen (gridwright.compose).
+    name: Optional[str] = None
     job_root: str = "jobs"
     # Explicit job directory; it must not exist yet. None: job_root/experiment/<time>.
     job_dir: Optional[str] = None

@@ -6,10 +6,10 @@ user fixes a broken layout in one round instead of one error at a time.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from .layout import ParallelLayout
+from .machine_probe import probe
 from .memory_estimate import estimate_memory
 from .model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from .placement import Placement, plan_placement
@@ -33,17 +33,6 @@ class ConfigError(ValueError):
         super().__init__(
             "the experiment is invalid; nothing was started:\n" + "\n".join(f"  - {p}" for p in problems)
         )
-
-
-def transformer_engine_available() -> bool:
-    """Transformer Engine needs CUDA and cuDNN; without them Megatron-Core silently drops FP8."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # an install without CUDA/cuDNN fails at import
-        return False
-    return True
 
 
 # Rules ----------------------------------------------------------------------
@@ -202,7 +191,7 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         )
     if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
-    if for_launch and cfg.launcher.name == "local" and not transformer_engine_available():
+    if for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda" and not probe().transformer_engine:
         out.append(
             "FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would "
             "silently train in bf16 while the config says FP8, so gridwright refuses. Fix: install "
@@ -321,7 +310,7 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from .engines.megatron_checkpoint import LATEST, describe_problem
+    from .checkpoint_dir import LATEST, describe_problem
 
     ck, out = cfg.checkpoint, []
     if not (ck.save or ck.load):
@@ -344,12 +333,25 @@ def check_checkpoint(cfg) -> list[str]:
     return out
 
 
-def check_launcher(cfg) -> list[str]:
-    if cfg.launcher.name == "local" and cfg.cluster.nodes > 1:
+def check_launcher(cfg, for_launch: bool) -> list[str]:
+    c = cfg.cluster
+    if cfg.launcher.name != "local":
+        return []
+    if c.nodes > 1:
         return [
-            f"launcher=local runs on this machine only, but cluster.nodes={cfg.cluster.nodes}. "
+            f"launcher=local runs on this machine only, but cluster.nodes={c.nodes}. "
             "Fix: launcher=torchrun or launcher=slurm (or launcher=plan to inspect)."
         ]
+    if for_launch and c.device == "cuda":
+        facts = probe()
+        if facts.cuda_devices < c.gpus_per_node:
+            found = (f"this machine has {facts.cuda_devices} CUDA device(s) (torch {facts.torch})"
+                     if facts.torch else f"torch cannot be imported here ({facts.error})")
+            return [
+                f"cluster '{c.name}' runs {c.gpus_per_node} process(es) on CUDA GPUs, but {found}. "
+                "Fix: a CPU cluster (cluster=laptop), a cluster that fits this machine, or launcher=plan, "
+                "torchrun or slurm to plan or emit the job for a GPU machine."
+            ]
     return []
 
 
@@ -443,7 +445,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_engine(cfg, layout)
         problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
-    problems += check_launcher(cfg)
+    problems += check_launcher(cfg, for_launch)
     problems += check_checkpoint(cfg)
     problems += check_data(cfg)
     problems += check_evaluate(cfg)

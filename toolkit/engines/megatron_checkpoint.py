@@ -1,12 +1,8 @@
 """Checkpoints of the Megatron-Core engine: distributed (torch_dist), resumable, reshardable.
 
-On disk, under `checkpoint.save`:
-
-    iter_0000010/     one complete Megatron-Core distributed checkpoint
-    latest            the name of the newest complete one (replaced atomically)
-
-A save writes `iter_N.partial/`, renames it to `iter_N/` once every rank has finished,
-and only then points `latest` at it, so a process killed mid-save leaves the previous
+On disk, under `checkpoint.save`, as `checkpoint_dir` describes: `iter_N/` directories
+and a `latest` pointer. A save writes `iter_N.partial/`, renames it to `iter_N/` once
+every rank has finished, and only then points `latest` at it, so a process killed mid-save leaves the previous
 checkpoint as the one that loads. Model and optimizer are sharded state dicts (the
 distributed optimizer in its fully reshardable form), so a checkpoint loads onto another
 TP/PP/EP layout. Step, scheduler, layout and seed are common state; RNG states are saved
@@ -24,77 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def iteration_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none."""
-    root = Path(root)
-    pointer = root / LATEST
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not name.startswith("iter_") or not (path / "metadata.json").exists():
-        raise CheckpointError(
-            f"{pointer} names '{name}', which is not a complete checkpoint in {root}. "
-            "Fix: point checkpoint.load at an intact checkpoint directory."
-        )
-    return path
-
-
-def read_common(path: str | os.PathLike) -> dict:
-    """The common (non-sharded) state of one checkpoint directory: step, model, layout..."""
-    return torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=False)["common"]
-
-
-# Model fields a run may change from its checkpoint's: they shape neither the weights nor
-# the function the weights compute.
-MAY_DIFFER = ("name", "max_position_embeddings", "moe_aux_loss_coeff")
-
-
-def model_differences(recorded: dict, model_cfg) -> list[str]:
-    """Fields of the model config that differ from the one a checkpoint was written for."""
-    out = []
-    for key, value in recorded.items():
-        if key in MAY_DIFFER or key not in model_cfg:
-            continue
-        if model_cfg[key] != value:
-            out.append(f"model.{key}={model_cfg[key]} (checkpoint: {value})")
-    return out
-
-
-def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
-    """Why `root` cannot be loaded (used by validation before anything starts)."""
-    root = Path(root)
-    if not root.is_dir():
-        return f"checkpoint.load={root} does not exist."
-    path = root / LATEST
-    try:
-        path = latest_checkpoint(root)
-        if path is None:
-            return f"checkpoint.load={root} has no '{LATEST}' file: it holds no complete checkpoint."
-        common = read_common(path)
-    except CheckpointError as e:
-        return str(e)
-    except Exception as e:  # an unreadable pointer, a truncated or foreign common.pt
-        return f"checkpoint.load={root}: cannot read {path} ({e})."
-    recorded = common.get("model_config")
-    if model_cfg is not None and recorded:
-        diffs = model_differences(recorded, model_cfg)
-        if diffs:
-            hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
-            return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
-    return None
+from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint, model_differences
 
 
 def _layout_signature(layout) -> dict:

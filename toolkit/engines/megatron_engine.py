@@ -19,11 +19,10 @@ from ..layout import ParallelLayout
 from ..atomic_io import write_text_atomic
 from ..profiling import ProfileWindow
 from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
-from ..validation import transformer_engine_available
 from . import megatron_checkpoint
 from .megatron_cpu_compat import cpu_compat
 from .megatron_fixes import apply_megatron_fixes
-from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs
+from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs, transformer_engine_available
 
 
 def init_parallel(cfg, layout: ParallelLayout):

@@ -1,0 +1,97 @@
+"""A checkpoint root on disk, read without torch: the `latest` pointer, iteration names,
+and what validation checks before a run loads it.
+
+    iter_0000010/     one complete Megatron-Core distributed checkpoint (step 10)
+    latest            the name of the newest complete one (replaced atomically)
+
+Saving and loading tensors is `engines.megatron_checkpoint`'s job; this module stays
+free of torch so that composing, validating and planning a run stay fast (only reading a
+checkpoint's `common.pt` imports torch, and only a local launch with `checkpoint.load`
+does that).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+LATEST = "latest"
+_ITERATION = re.compile(r"iter_(\d{7})")
+
+# Model fields a run may change from its checkpoint's: they shape neither the weights nor
+# the function the weights compute.
+MAY_DIFFER = ("name", "max_position_embeddings", "moe_aux_loss_coeff")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iteration_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """The step a checkpoint directory was saved after, from its name (`iter_0000010` -> 10)."""
+    match = _ITERATION.fullmatch(Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path} is not named like a checkpoint (iter_NNNNNNN).")
+    return int(match.group(1))
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root`, or None when there is none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not _ITERATION.fullmatch(name) or not (path / "metadata.json").exists():
+        raise CheckpointError(
+            f"{pointer} names '{name}', which is not a complete checkpoint in {root}. "
+            "Fix: point checkpoint.load at an intact checkpoint directory."
+        )
+    return path
+
+
+def read_common(path: str | os.PathLike) -> dict:
+    """The common (non-sharded) state of one checkpoint directory: step, model, layout..."""
+    import torch  # the one torch use here: common.pt is a torch pickle
+
+    return torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=False)["common"]
+
+
+def model_differences(recorded: dict, model_cfg) -> list[str]:
+    """Fields of the model config that differ from the one a checkpoint was written for."""
+    out = []
+    for key, value in recorded.items():
+        if key in MAY_DIFFER or key not in model_cfg:
+            continue
+        if model_cfg[key] != value:
+            out.append(f"model.{key}={model_cfg[key]} (checkpoint: {value})")
+    return out
+
+
+def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
+    """Why `root` cannot be loaded (used by validation before anything starts)."""
+    root = Path(root)
+    if not root.is_dir():
+        return f"checkpoint.load={root} does not exist."
+    path = root / LATEST
+    try:
+        path = latest_checkpoint(root)
+        if path is None:
+            return f"checkpoint.load={root} has no '{LATEST}' file: it holds no complete checkpoint."
+        common = read_common(path)
+    except CheckpointError as e:
+        return str(e)
+    except Exception as e:  # an unreadable pointer, a truncated or foreign common.pt
+        return f"checkpoint.load={root}: cannot read {path} ({e})."
+    recorded = common.get("model_config")
+    if model_cfg is not None and recorded:
+        diffs = model_differences(recorded, model_cfg)
+        if diffs:
+            hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
+            return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
+    return None

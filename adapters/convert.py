@@ -178,8 +178,10 @@ def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype 
     return pieces, dtypes
 
 
-def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype=None, overwrite=False) -> dict:
-    """Convert; returns the record written to `out_dir/conversion.json`."""
+def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype=None, overwrite=False,
+                   before_publish=None) -> dict:
+    """Convert; returns the record written to `out_dir/conversion.json`. `before_publish(staged
+    output, record)` runs before the output is renamed into place: raising there leaves no output."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = read_hf_config(hf_dir)
     if name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", name):
@@ -236,7 +238,7 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
         (tmp / "model" / f"{model['name']}.yaml").write_text(_model_yaml(model))
         record["seconds"] = round(time.perf_counter() - start, 3)
         record["train_with"] = hint
-        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        _finish(tmp, record, before_publish)
     return record
 
 
@@ -312,8 +314,9 @@ def _hf_config(root: Path, model: dict, dtype: torch.dtype) -> tuple[dict, bool]
 
 
 def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwrite=False,
-                   max_shard_bytes=2 * 1024**3) -> dict:
-    """Convert; returns the record written to `out_dir/conversion.json`."""
+                   max_shard_bytes=2 * 1024**3, before_publish=None) -> dict:
+    """Convert; returns the record written to `out_dir/conversion.json` (`before_publish` as
+    in hf_to_megatron)."""
     root, it = find_checkpoint(Path(megatron_dir))
     out_dir = Path(out_dir)
     try:
@@ -365,8 +368,19 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
             "hf_tensors": len(entries),
             "seconds": round(time.perf_counter() - start, 3),
         }
-        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        _finish(tmp, record, before_publish)
     return record
+
+
+def _finish(staged: Path, record: dict, before_publish) -> None:
+    """Run the check on the staged output (its result goes into the record), then write the record."""
+    if before_publish is not None:
+        record["verify"] = before_publish(staged, record)
+    (staged / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+class VerificationFailed(RuntimeError):
+    """The converted model's logits differ from the source's: nothing was published."""
 
 
 # --- command line ------------------------------------------------------------------------
@@ -391,7 +405,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep the source's)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing output (atomically)")
         p.add_argument("--verify", action="store_true", help="compare HF and Megatron-Core logits afterwards")
-        p.add_argument("--tolerance", type=float, default=1e-4, help="--verify: largest allowed |logit diff|")
+        p.add_argument("--tolerance", type=float, default=1e-4, help="--verify: largest allowed |logit diff| (fp32 compute; with --dtype, both sides' weights are rounded to it first)")
     b.add_argument("--tp", type=int, default=1, help="--verify: layout to load the Megatron-Core side at")
     b.add_argument("--pp", type=int, default=1)
     b.add_argument("--ep", type=int, default=1)
@@ -399,34 +413,48 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _verifier(args, direction: str):
+    """The --verify check, run on the staged output before it is published."""
+    from .verify_logits import compare_logits
+
+    def verify(staged: Path, record: dict) -> dict:
+        hf_dir, megatron_dir = (Path(args.hf), staged) if direction == "hf-to-megatron" else (staged, Path(args.megatron))
+        result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                                model=record["model_config"], round_to=args.dtype)
+        result["tolerance"] = args.tolerance
+        ok = result["max_abs_diff"] <= args.tolerance
+        print(f"verify: max |logit diff| {result['max_abs_diff']:.3e} at TP={args.tp} PP={args.pp} EP={args.ep} "
+              f"({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g}; weights {result['weights']})", flush=True)
+        if not ok:
+            raise VerificationFailed(
+                f"the converted model's logits differ from the source's by {result['max_abs_diff']:.3e} "
+                f"(tolerance {args.tolerance:g}); nothing was written to {args.out}.")
+        return result
+
+    return verify
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
+    check = _verifier(args, args.direction) if args.verify else None
     try:
         if args.direction == "hf-to-megatron":
             record = hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.name, dtype,
-                                    args.overwrite)
-            hf_dir, megatron_dir = Path(args.hf), Path(args.out)
+                                    args.overwrite, before_publish=check)
         else:
             record = megatron_to_hf(args.megatron, args.out, args.model_config, dtype, args.overwrite,
-                                    int(args.max_shard_gib * 1024**3))
-            hf_dir, megatron_dir = Path(args.out), Path(args.megatron)
+                                    int(args.max_shard_gib * 1024**3), before_publish=check)
     except (ValueError, FileExistsError) as e:  # bad input (ConversionError, UnsupportedModel, BadCheckpoint...)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
-    print(f"wrote {args.out}: {record['hf_tensors']} Hugging Face tensors in {record['seconds']} s")
+    except VerificationFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}: {record['hf_tensors']} Hugging Face tensors in {record['seconds']} s"
+          + (" (verified before it was published)" if args.verify else ""))
     if record.get("train_with"):
         print(f"train from it: {record['train_with']}")
-    if args.verify:
-        from .verify_logits import compare_logits
-
-        result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                                model=record["model_config"])
-        ok = result["max_abs_diff"] <= args.tolerance
-        print(f"verify: max |logit diff| {result['max_abs_diff']:.3e} at TP={args.tp} PP={args.pp} EP={args.ep} "
-              f"({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g})")
-        if not ok:
-            return 1
     return 0
 
 

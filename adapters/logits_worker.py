@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--model", help="model config JSON; default: the one the checkpoint records")
+    ap.add_argument("--round-to", choices=("bf16", "fp16"), help="round the weights to this dtype and back")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -35,6 +36,7 @@ def main() -> None:
     from ..checkpoint_dir import read_common
     from ..engines.megatron_checkpoint import load_model_weights
     from .convert import layout_run_config
+    from .verify_logits import ROUNDING, round_weights
     from ..engines.megatron_cpu_compat import cpu_compat
     from ..engines.megatron_engine import init_parallel
     from ..engines.megatron_fixes import apply_megatron_fixes
@@ -52,6 +54,8 @@ def main() -> None:
         tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
         chunks = build_model_chunks(cfg, tcfg, te_available=False)
         load_model_weights(chunks, Path(args.checkpoint))
+        for c in chunks:
+            round_weights(c, ROUNDING.get(args.round_to))
         for c in chunks:
             c.eval()
 

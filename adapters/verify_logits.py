@@ -3,6 +3,11 @@
 The Hugging Face model runs in this process through `transformers` (fp32, CPU); the
 Megatron-Core model runs in `tp x pp x ep` processes over gloo (logits_worker), built
 and loaded as the engine would at that layout. Both see the same random tokens.
+
+A conversion that casts (`--dtype bf16` of an fp32 checkpoint) compares like with like:
+both sides' weights are rounded to that dtype, then both compute in fp32, so the
+tolerance measures the mapping and not the cast (the cast's own error, e.g. 3e-2 on the
+logits of a tiny model in bf16, would otherwise hide a mapping error of that size).
 """
 from __future__ import annotations
 
@@ -16,17 +21,27 @@ from pathlib import Path
 import torch
 
 
-def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+def round_weights(module: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Round every fp32 parameter to `dtype` and back (what a cast to `dtype` stores)."""
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(dtype).to(p.dtype))
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.eval()
+    round_weights(model, round_to)
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
 
 
 def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1, vpp=None, ep=1,
-                    model: dict | None = None) -> torch.Tensor:
+                    model: dict | None = None, round_to: str | None = None) -> torch.Tensor:
     """Logits of the Megatron-Core model at this layout; `model` overrides the model config
     the checkpoint records (needed for checkpoints that record none)."""
     from gridwright.launchers.local import free_port
@@ -47,7 +62,7 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
             "-m", "gridwright.adapters.logits_worker", "--checkpoint", str(iteration),
             "--tokens", str(tok_file), "--out", str(out_file),
             "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
-        ] + (["--vpp", str(vpp)] if vpp else []) + model_args
+        ] + (["--vpp", str(vpp)] if vpp else []) + model_args + (["--round-to", round_to] if round_to else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -59,14 +74,22 @@ def sample_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0)
     return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def compare_logits(hf_dir, megatron_dir, tp=1, pp=1, vpp=None, ep=1, batch=2, seq=16, model=None) -> dict:
-    """Max |difference| of the two models' logits on the same tokens (fp32, CPU)."""
+ROUNDING = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compare_logits(hf_dir, megatron_dir, tp=1, pp=1, vpp=None, ep=1, batch=2, seq=16, model=None,
+                   round_to: str | None = None) -> dict:
+    """Max |difference| of the two models' logits on the same tokens (fp32 compute, CPU);
+    `round_to` ('bf16', 'fp16') rounds both sides' weights to that dtype first."""
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = sample_tokens(vocab, batch, seq * tp)  # SP splits the sequence over TP
-    ref = hf_logits(hf_dir, tokens)
-    got = megatron_logits(megatron_dir, tokens, tp, pp, vpp, ep, model)
+    ref = hf_logits(hf_dir, tokens, ROUNDING.get(round_to))
+    got = megatron_logits(megatron_dir, tokens, tp, pp, vpp, ep, model, round_to if round_to in ROUNDING else None)
     if got.shape != ref.shape:
         raise RuntimeError(f"logits shapes differ: Hugging Face {tuple(ref.shape)}, Megatron-Core {tuple(got.shape)}")
     diff = (got - ref).abs()
     return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
-            "max_abs_logit": float(ref.abs().max()), "tokens": list(tokens.shape)}
+            "max_abs_logit": float(ref.abs().max()), "tokens": list(tokens.shape),
+            "layout": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep},
+            "weights": f"both sides rounded to {round_to}, computed in fp32" if round_to in ROUNDING
+            else "as stored, computed in fp32"}

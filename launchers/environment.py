@@ -16,4 +16,6 @@ def worker_env(cfg) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if cfg.cluster.device == "cuda":
         env.update(NCCL_ENV)
+    else:  # DeepSpeed otherwise looks for an accelerator and warns that it found none
+        env["DS_ACCELERATOR"] = "cpu"
     return env

@@ -1,6 +1,4 @@
 """gridwright: plan, validate, launch and measure Megatron-Core and DeepSpeed training runs."""
-import warnings
+from .known_warnings import filter_known_warnings
 
-# Expected wherever Transformer Engine and Apex are absent (CPU, and the GPU machines used
-# here); Megatron-Core then uses its torch fallbacks. Shown once in the README instead.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+filter_known_warnings()

@@ -95,3 +95,19 @@ def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
             hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
             return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
     return None
+
+
+def nothing_to_resume(cfg) -> str | None:
+    """Why resuming from `checkpoint.load` would train no step (it already reached
+    `train.steps`), or None. Loading a model to then stop takes minutes: say so instead."""
+    ck = cfg.checkpoint
+    if not ck.load or ck.weights_only or not Path(ck.load).is_dir():
+        return None
+    try:
+        path = latest_checkpoint(ck.load)
+    except CheckpointError:
+        return None  # validation reports it
+    if path is None or step_of(path) < cfg.train.steps:
+        return None
+    return (f"nothing to train: checkpoint.load={ck.load} is at step {step_of(path)} ({path.name}) and "
+            f"train.steps={cfg.train.steps}. To train further, raise train.steps.")

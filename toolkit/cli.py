@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from .compose import composition_notes, strip_hydra
 from .atomic_io import write_text_atomic
+from .checkpoint_dir import nothing_to_resume
 from .jobdir import PLAN_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir
 from .memory_estimate import estimate_memory
 from .model_math import param_counts
@@ -61,6 +62,10 @@ def run(hydra_cfg: DictConfig) -> int:
         for note in composition_notes(cfg):
             print(f"note: {note}", file=sys.stderr)
         return EXIT_INVALID
+    idle = nothing_to_resume(cfg) if cfg.launcher.name == "local" else None
+    if idle:
+        print(idle)
+        return 0
     create_job_dir(cfg, placement, job_dir)
     plan = plan_record(cfg, layout, placement)
     write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
@@ -99,6 +104,9 @@ def run_locally(cfg, layout, job_dir) -> int:
     code = run_local(cfg, job_dir, env)
     if run_id is not None:
         tracking.close_run(cfg, run_id, ok=code == 0, job_dir=job_dir)
+        print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
+    elif code == 0:
+        print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.sync {job_dir}")
     if code == 0:
         print(f"done: {job_dir}")
     else:

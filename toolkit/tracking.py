@@ -340,6 +340,19 @@ def close_run(cfg, run_id: str, ok: bool, job_dir: Path | None = None) -> None:
     client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
 
 
+def where_to_see(uri: str, run_id: str) -> list[str]:
+    """Terminal lines that lead from a finished run to its page in the MLflow UI."""
+    client = client_for(uri)
+    run = client.get_run(run_id)
+    lines = [f"mlflow      run {run_id} ({run.info.status}) in {uri}"]
+    if uri.startswith("sqlite:///"):
+        url = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+        lines.append(f"            mlflow ui --backend-store-uri {uri}   then open {url}")
+    elif uri.startswith("http"):
+        lines.append(f"            {uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}")
+    return lines
+
+
 # Sweeps ---------------------------------------------------------------------
 def sweep_run(client, exp_id: str, sweep_dir: Path, record) -> tuple[str, bool]:
     """The parent run of a sweep (found by the sweep's id, else created)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .atomic_io import write_text_atomic
 from .jobdir import METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json
+from .known_warnings import filter_known_warnings
 from .layout import ParallelLayout
 from .step_metrics import StepMetrics, read_memory_records
 
@@ -111,10 +112,43 @@ class Reporter:
             summary["memory_estimate_gib"] = estimate["total_gib"]
             summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
+        print("\n".join(summary_lines(summary, self.cfg)), flush=True)
         if self.mlflow is not None and self.opened_run_here:
             from . import tracking
 
             tracking.log_job_results(self.mlflow.client, self.mlflow.run_id, self.job_dir, step_metrics=False)
+            print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
+
+
+def summary_lines(summary: dict, cfg) -> list[str]:
+    """The end of a run on the terminal: what it learned, how fast, against which peak, how
+    much memory. Every MFU names its definition; a run without a known peak says why."""
+    averaged = summary["steps_averaged"]
+    span = f"steps {averaged[0]}-{averaged[-1]}" if len(averaged) > 1 else f"step {averaged[0]}"
+    lines = [
+        f"summary     {summary['steps']} steps: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        f"            {summary['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {summary['mean_step_time_s'] * 1e3:,.1f} "
+        f"ms/step, {_flop_rate(summary['tflops_per_gpu'])}/GPU (mean of {span})",
+    ]
+    if "mfu" in summary:
+        definition = summary["flops_definition"]
+        palm = f", {summary['mfu_palm']:.1%} by palm" if definition != "palm" else ""
+        lines.append(
+            f"            MFU {summary['mfu']:.1%} ({definition} definition{palm}; HFU {summary['hfu']:.1%}) "
+            f"against {summary['peak_tflops']:g} TFLOP/s {summary['peak_kind']} ({cfg.cluster.gpu.name})")
+    else:
+        lines.append(f"            MFU none: the device ({cfg.cluster.device}, cluster {cfg.cluster.name}) has no "
+                     "known peak FLOP/s")
+    kind = "allocated by the CUDA allocator" if "memory_reserved_peak_gib" in summary else "resident (RSS)"
+    estimate = (f"; estimate {summary['memory_estimate_allocated_gib']:.1f} GiB without workspace"
+                if summary.get("memory_estimate_allocated_gib") is not None else "")
+    lines.append(f"            peak memory {summary['memory_peak_gib']:.2f} GiB {kind}, rank "
+                 f"{summary['memory_peak_rank']}{estimate}")
+    return lines
+
+
+def _flop_rate(tflops: float) -> str:
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     job_dir = args.job_dir.resolve()
     cfg = load_job_config(job_dir)
+    filter_known_warnings(cfg.cluster.device)
     layout = ParallelLayout.from_config(cfg)
     planned = json.loads((job_dir / PLACEMENT_JSON).read_text())
     state = {}

@@ -6,6 +6,7 @@ data stream, loss definition and metrics are the Megatron engine's, so runs comp
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
-from ..step_metrics import timed_step
+from ..atomic_io import write_text_atomic
+from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
 
 
 def hf_config(model):
@@ -64,6 +66,26 @@ def _lr_at(cfg, step: int) -> float:
     return t.min_lr + (t.lr - t.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def extensions_to_build(cfg) -> list[str]:
+    """DeepSpeed's C++ ops this run will compile on first use (DS_BUILD_OPS=0 installs build
+    them just in time: minutes on a small machine, once; torch caches them afterwards)."""
+    names = (["deepspeed_shm_comm"] if cfg.cluster.device == "cpu" else []) + (
+        ["cpu_adam"] if cfg.zero.offload_optimizer else [])
+    # torch's own rule for where a JIT extension is cached; a private function, used
+    # rather than re-deriving the directory name (it depends on the Python and CUDA build).
+    from torch.utils.cpp_extension import _get_build_directory
+
+    out = []
+    for name in names:
+        try:
+            built = os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
+        except Exception:  # noqa: BLE001 - unknown: announce rather than stay silent
+            built = False
+        if not built:
+            out.append(name)
+    return out
+
+
 class DeepSpeedTrainer:
     spec_name = "huggingface"
 
@@ -76,6 +98,10 @@ class DeepSpeedTrainer:
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if not on_cpu:
             torch.cuda.set_device(self.device)
+        pending = extensions_to_build(cfg)
+        if pending and os.environ.get("RANK", "0") == "0":
+            print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
+                  "once; cached by torch afterwards)", flush=True)
         deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
         torch.manual_seed(cfg.train.seed)
         model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
@@ -121,7 +147,7 @@ class DeepSpeedTrainer:
 
 def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
-    (`job_dir` is unused: synthetic data needs no cache; kept for one engine interface.)"""
+    Every rank leaves its peak memory in `job_dir`."""
     trainer = DeepSpeedTrainer(cfg, layout)
     if on_start is not None:
         on_start(trainer)
@@ -130,5 +156,7 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         metrics = timed_step(trainer.train_step, step, on_cuda)
         if trainer.is_logging_rank:
             on_step(step, metrics)
+    if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
+        write_text_atomic(memory_record_path(job_dir, dist.get_rank()), json.dumps(memory_peaks_gib(on_cuda)))
     dist.barrier()
     dist.destroy_process_group()

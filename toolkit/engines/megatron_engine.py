@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from functools import partial
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from ..data_source import make_source
 from ..layout import ParallelLayout
 from ..atomic_io import write_text_atomic
+from ..checkpoint_dir import latest_checkpoint
 from ..profiling import ProfileWindow
 from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
 from . import megatron_checkpoint
@@ -273,7 +275,12 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         ck = cfg.checkpoint
         first_step = 0
         if ck.load:
+            started = time.perf_counter()
             first_step = megatron_checkpoint.load(trainer, ck.load, weights_only=ck.weights_only)
+            if dist.get_rank() == 0:
+                what = f"resuming after step {first_step}" if first_step else "weights only: training starts at step 0"
+                print(f"checkpoint  loaded {latest_checkpoint(ck.load)} in {time.perf_counter() - started:.1f} s; "
+                      f"{what}", flush=True)
         if on_start is not None:
             on_start(trainer)
         window = ProfileWindow(cfg, job_dir or ".", dist.get_rank())
@@ -288,7 +295,10 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
             if trainer.is_logging_rank:
                 on_step(step, metrics)
             if ck.save and (done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)):
-                megatron_checkpoint.save(trainer, done, ck.save)
+                started = time.perf_counter()
+                path = megatron_checkpoint.save(trainer, done, ck.save)
+                if dist.get_rank() == 0:
+                    print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
         if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
             write_text_atomic(memory_record_path(job_dir, dist.get_rank()), json.dumps(memory_peaks_gib(not on_cpu)))
         dist.barrier()

@@ -49,11 +49,26 @@ def test_sigkill_during_saves_then_resume_matches_uninterrupted(run_launch, tmp_
     saved = int((ck / "latest").read_text().strip()[5:])
     assert 5 <= saved < steps
 
-    resumed = train(run_launch, tmp_path, "resumed", f"train.steps={steps}",
-                    f"checkpoint.load={ck}", f"checkpoint.save={ck}")
+    job = tmp_path / "resumed"
+    result = run_launch("tracking=off", f"job_dir={job}", "train.warmup_steps=1", f"train.steps={steps}",
+                        f"checkpoint.load={ck}", f"checkpoint.save={ck}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    resumed = losses(job)
     assert min(resumed) == saved and max(resumed) == steps - 1
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference[step], abs=1e-6), (step, loss, reference[step])
+    # Every load and save says so on the terminal.
+    assert f"checkpoint  loaded {ck / f'iter_{saved:07d}'} in " in result.stdout
+    assert f"; resuming after step {saved}" in result.stdout
+    assert f"checkpoint  saved {ck / f'iter_{steps:07d}'} in " in result.stdout
+
+    # Resuming the finished run has nothing to train: it says so at once and starts nothing.
+    again = run_launch("tracking=off", f"job_dir={tmp_path / 'again'}", "train.warmup_steps=1",
+                       f"train.steps={steps}", f"checkpoint.load={ck}", f"checkpoint.save={ck}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"nothing to train: checkpoint.load={ck} is at step {steps} (iter_{steps:07d}) and " \
+           f"train.steps={steps}" in again.stdout
+    assert not (tmp_path / "again").exists() and "torch.distributed.run" not in again.stdout
 
 
 def test_unfinished_save_is_ignored_and_a_broken_pointer_is_refused(run_launch, tmp_path):

@@ -184,6 +184,16 @@ def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launc
         assert convert_main(["megatron-to-hf", "--megatron", str(ckpt), "--out", str(tmp_path / "hf2"),
                              "--model-config", str(conf_file), "--verify", "--tp", "2"]) == 0
         assert _tensors(tmp_path / "hf2").keys() == _tensors(out).keys()
+        # A bf16 export of the fp32 run is verified like with like: both sides' weights in bf16,
+        # fp32 compute, the usual tolerance. A failed verify publishes nothing.
+        bf16 = ["megatron-to-hf", "--megatron", str(ckpt), "--model-config", str(conf_file), "--dtype", "bf16",
+                "--verify"]
+        assert convert_main(bf16 + ["--out", str(tmp_path / "hf_bf16")]) == 0
+        record = json.loads((tmp_path / "hf_bf16" / "conversion.json").read_text())
+        assert record["dtype"] == ["bfloat16"] and record["verify"]["max_abs_diff"] <= TOLERANCE
+        assert record["verify"]["weights"] == "both sides rounded to bf16, computed in fp32"
+        assert convert_main(bf16 + ["--out", str(tmp_path / "hf_strict"), "--tolerance", "0"]) == 1
+        assert not any(p.name.startswith((".hf_strict", "hf_strict")) for p in tmp_path.iterdir())
 
 
 def test_engine_trains_from_a_converted_checkpoint(converted, run_launch, tmp_path):

@@ -57,8 +57,20 @@ def test_default_run_logs_to_mlflow(run_launch, tmp_path):
     assert run.data.metrics["tflops_per_gpu"] > 0
     assert run.data.params["flops.definition"] == "megatron" and run.data.params["flops.peak_kind"] == "bf16"
     assert float(run.data.params["flops.per_token_megatron"]) == summary["flops_per_token"]["megatron"]
-    assert run.info.run_name == "tiny_llama_cpu dp2" and run.data.params["derived.dp"] == "2"
+    assert run.info.run_name == "tiny_llama dp2" and run.data.params["derived.dp"] == "2"
+    assert job.parent.name == "tiny_llama"  # no preset: named after the model
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    # The end of the run on the terminal: what it learned, how fast, MFU or why none, memory, where to look.
+    out = result.stdout
+    assert f"summary     {STEPS} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}" in out
+    assert f"{summary['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" in out and "(mean of steps 1-7)" in out
+    assert "MFU none: the device (cpu, cluster laptop) has no known peak FLOP/s" in out
+    assert f"peak memory {summary['memory_peak_gib']:.2f} GiB resident (RSS), rank {summary['memory_peak_rank']}" in out
+    assert f"mlflow      run {run.info.run_id} (FINISHED) in sqlite:///{tmp_path / 'mlflow.db'}" in out
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in out
+    assert f"#/experiments/{exp.experiment_id}/runs/{run.info.run_id}" in out
+    # Known warnings of the stack (no Apex/TE, Megatron-Core's deprecations) are filtered.
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "placement.json", "placement.csv", "metrics.jsonl", "summary.json"} <= artifacts
 

@@ -21,7 +21,7 @@ def sweep(tmp: Path, *args) -> Path:
     result = launch(["-m", *args, f"job_root={tmp / 'jobs'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"],
                     cwd=tmp, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    (sweep_dir,) = (tmp / "jobs" / "sweeps" / "tiny_llama_cpu").iterdir()
+    (sweep_dir,) = (tmp / "jobs" / "sweeps" / "tiny_llama").iterdir()
     return sweep_dir
 
 
@@ -140,21 +140,21 @@ def test_plan_sweep_is_one_parent_with_a_nested_run_per_point(plan_sweep):
     assert [(p["num"], p["status"], p["job_dir"]) for p in points] == [
         (0, "planned", "0-dp2"), (1, "planned", "1-tp2-dp1"), (2, "invalid", None)]
     assert points[2]["error"].startswith(INVALID_TP3) and "\n" not in points[2]["error"]
-    assert (sweep_dir / "1-tp2-dp1" / "placement.json").is_file() and not (tmp / "jobs" / "tiny_llama_cpu").exists()
+    assert (sweep_dir / "1-tp2-dp1" / "placement.json").is_file() and not (tmp / "jobs" / "tiny_llama").exists()
 
     client, runs = runs_of(tmp / "mlflow.db")
-    parent = runs["tiny_llama_cpu sweep parallel.tp=1,2,3"]
-    assert set(runs) == {parent.info.run_name, "tiny_llama_cpu dp2", "tiny_llama_cpu tp2-dp1", "tiny_llama_cpu tp3-dp0"}
+    parent = runs["tiny_llama sweep parallel.tp=1,2,3"]
+    assert set(runs) == {parent.info.run_name, "tiny_llama dp2", "tiny_llama tp2-dp1", "tiny_llama tp3-dp0"}
     assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
     assert {"comparison.md", "comparison.csv", "sweep.json"} <= artifacts(client, parent)
     for name, status, tag in (("dp2", "FINISHED", "planned"), ("tp2-dp1", "FINISHED", "planned"),
                               ("tp3-dp0", "FAILED", "invalid")):
-        run = runs[f"tiny_llama_cpu {name}"]
+        run = runs[f"tiny_llama {name}"]
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert (run.info.status, run.data.tags["gridwright.status"]) == (status, tag), name
-    planned = runs["tiny_llama_cpu tp2-dp1"].data.params
+    planned = runs["tiny_llama tp2-dp1"].data.params
     assert planned["derived.dp"] == "1" and planned["derived.accumulation"] == "4" and planned["parallel.tp"] == "2"
-    invalid = runs["tiny_llama_cpu tp3-dp0"]
+    invalid = runs["tiny_llama tp3-dp0"]
     assert invalid.data.tags["gridwright.error"].startswith(INVALID_TP3) and invalid.data.params["parallel.tp"] == "3"
 
 
@@ -167,20 +167,20 @@ def test_single_plan_does_not_touch_mlflow(tmp_path):
 def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
     tmp, sweep_dir = training_sweep
     client, runs = runs_of(tmp / "mlflow.db")
-    parent = runs["tiny_llama_cpu sweep parallel.tp=1,2"]
+    parent = runs["tiny_llama sweep parallel.tp=1,2"]
     assert len(runs) == 3 and parent.info.status == "FINISHED"
     for name in ("dp2", "tp2-dp1"):
-        run = runs[f"tiny_llama_cpu {name}"]
+        run = runs[f"tiny_llama {name}"]
         assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert len(client.get_metric_history(run.info.run_id, "loss")) == 3
         assert run.data.metrics["summary.steps"] == 3
         assert {"config.yaml", "plan.json", "summary.json", "metrics.jsonl"} <= artifacts(client, run)
     assert {"comparison.md", "comparison.csv", "throughput.png"} <= artifacts(client, parent)
     best = parent.data.tags["gridwright.best_point"]
-    assert best in ("#0 tiny_llama_cpu dp2", "#1 tiny_llama_cpu tp2-dp1")
+    assert best in ("#0 tiny_llama dp2", "#1 tiny_llama tp2-dp1")
     assert parent.data.metrics["best_tokens_per_s_per_gpu"] > 0
     table = (sweep_dir / "comparison.md").read_text()
-    assert "| 1 | tiny_llama_cpu tp2-dp1 | `parallel.tp=2` | finished | TP=2 PP=1 CP=1 DP=1 |" in table
+    assert "| 1 | tiny_llama tp2-dp1 | `parallel.tp=2` | finished | TP=2 PP=1 CP=1 DP=1 |" in table
     rows = (sweep_dir / "comparison.csv").read_text().splitlines()
     assert rows[0].startswith("num,name,point,status,layout,tokens_per_s_per_gpu,mfu,mfu_palm,step_time_ms")
     assert len(rows) == 3
@@ -202,16 +202,16 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
     # A point whose run is gone (deleted here) is filled in; nothing else is logged again.
     from gridwright.sync import main as sync_main
 
-    client.delete_run(runs["tiny_llama_cpu tp3-dp0"].info.run_id)
+    client.delete_run(runs["tiny_llama tp3-dp0"].info.run_id)
     assert sync_main([str(sweep_dir), "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"]) == 0
     assert "with 1 new run(s)" in capsys.readouterr().out
     client, runs = runs_of(tmp / "mlflow.db")
     assert len(runs) == 3
-    parent = runs["tiny_llama_cpu sweep parallel.tp=2,3"]
+    parent = runs["tiny_llama sweep parallel.tp=2,3"]
     assert len(client.get_metric_history(parent.info.run_id, "best_tokens_per_s_per_gpu")) == 1
 
-    synced = runs["tiny_llama_cpu tp2-dp1"]
-    assert (synced.info.status, runs["tiny_llama_cpu tp3-dp0"].info.status) == ("FINISHED", "FAILED")
+    synced = runs["tiny_llama tp2-dp1"]
+    assert (synced.info.status, runs["tiny_llama tp3-dp0"].info.status) == ("FINISHED", "FAILED")
     assert synced.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert synced.info.start_time < synced.info.end_time
     assert {"comparison.md", "comparison.csv", "throughput.png", "sweep.json"} <= artifacts(client, parent)
@@ -221,7 +221,7 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
 
     # The same point logged live (tracked sweep) and afterwards (sync) holds the same record.
     live_client, live_runs = runs_of(training_sweep[0] / "mlflow.db")
-    live = live_runs["tiny_llama_cpu tp2-dp1"]
+    live = live_runs["tiny_llama tp2-dp1"]
     ignore = {"job_root", "tracking.enabled", "tracking.uri"}
     assert {k for k in live.data.params if k not in ignore} == {k for k in synced.data.params if k not in ignore}
     assert set(live.data.metrics) == set(synced.data.metrics)
@@ -238,7 +238,7 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
     assert second.returncode == 0 and second.stdout.startswith("already logged: ")
     client, runs = runs_of(tmp_path / "single.db")
     (run,) = runs.values()
-    assert run.info.run_name == "tiny_llama_cpu tp2-dp1" and run.info.status == "FINISHED"
+    assert run.info.run_name == "tiny_llama tp2-dp1" and run.info.status == "FINISHED"
     assert run.data.tags["gridwright.job_id"] == json.loads((job / "job.json").read_text())["job_id"]
 
     # A torchrun job logged before it ran is planned; once it has run, the same run gets its results.

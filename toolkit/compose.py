@@ -15,7 +15,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from .schema import RunConfig
 
-CONF_DIR = Path(os.environ.get("GRIDWRIGHT_CONF", Path(__file__).resolve().parents[1] / "conf"))
+def _conf_dir() -> Path:
+    """GRIDWRIGHT_CONF if set; else the installed package's `conf/` (a wheel carries it as
+    package data), else the repository's (`toolkit/../conf`, an editable install)."""
+    if os.environ.get("GRIDWRIGHT_CONF"):
+        return Path(os.environ["GRIDWRIGHT_CONF"])
+    here = Path(__file__).resolve().parent
+    return here / "conf" if (here / "conf" / "config.yaml").is_file() else here.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def register_schema() -> None:

@@ -155,7 +155,7 @@ def job_params(cfg, layout: ParallelLayout, job_dir: Path | None = None) -> dict
 
 def run_name(cfg, slug: str, suffix: str = "") -> str:
     """`<experiment> <layout slug>`, e.g. `llama3_8b tp2-sp-dp4`; a sweep that varies more
-    than the layout adds the point's values (`tiny_llama_cpu dp2 train.lr=1e-3`)."""
+    than the layout adds the point's values (`tiny_llama dp2 train.lr=1e-3`)."""
     return f"{cfg.name} {slug}" + (f" {suffix}" if suffix else "")
 
 

@@ -1,0 +1,31 @@
+"""A non-editable install (the wheel) works from any directory, configs included."""
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_wheel_installs_and_plans_from_anywhere(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                    str(REPO)], check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("gridwright-*.whl")
+    # A venv that sees this interpreter's packages (torch, Megatron-Core, ...) but gets
+    # gridwright itself only from the wheel.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    py, cli = venv / "bin" / "python", venv / "bin" / "gridwright"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True,
+                   capture_output=True, timeout=300)
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    where = subprocess.run([str(py), "-c", "import gridwright.compose as c; print(c.__file__); print(c.CONF_DIR)"],
+                           cwd=away, capture_output=True, text=True, check=True).stdout.split()
+    assert all(str(venv) in w for w in where), where  # the installed copy and its own conf/
+    for cmd in ([str(cli), "+experiment=mixtral_ep8", "launcher=plan"],
+                [str(py), "-m", "gridwright", "+experiment=llama3_8b", "launcher=plan"]):
+        r = subprocess.run(cmd, cwd=away, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "launcher=plan: nothing started." in r.stdout
+    assert {p.name for p in (away / "jobs").iterdir()} == {"mixtral_ep8", "llama3_8b"}
+    assert list((away / "jobs" / "mixtral_ep8").glob("*/plan.json"))

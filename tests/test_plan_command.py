@@ -1,0 +1,82 @@
+"""`launch.py ... launcher=plan` and the refusals before start: fast, named, honest.
+
+A plan composes, validates and places without importing torch, Megatron-Core, DeepSpeed
+or MLflow (their imports take seconds); a run without a preset is named after what it
+trains; a GPU run on a machine without the GPUs is refused before anything is created.
+"""
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+HEAVY = ("torch", "megatron", "deepspeed", "transformers", "mlflow")
+
+# Runs launch.py's entry point in this interpreter, then lists the heavy packages imported.
+IMPORT_PROBE = """
+import json, sys
+args, heavy_names = json.loads(sys.argv[1]), set(json.loads(sys.argv[2]))
+sys.argv = ["launch.py"] + args
+from gridwright.cli import main
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & heavy_names)
+print("HEAVY=" + json.dumps(heavy))
+"""
+
+
+def test_plans_import_neither_torch_nor_megatron(tmp_path):
+    for args, expected in ((["+experiment=mixtral_ep8", "launcher=plan"], []),
+                           (["+experiment=llama3_70b"], []),  # a Slurm script
+                           (["+experiment=llama3_8b", "launcher=torchrun", "launcher.master_addr=node0"], []),
+                           # A planned sweep is recorded in MLflow (planned runs), still without torch.
+                           (["-m", "parallel.tp=1,2", "+experiment=llama3_8b", "launcher=plan"], ["mlflow"])):
+        argv = [*args, f"job_root={tmp_path / 'jobs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+        r = subprocess.run([sys.executable, "-c", IMPORT_PROBE, json.dumps(argv), json.dumps(HEAVY)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"HEAVY={json.dumps(expected)}" in r.stdout, (args, r.stdout[-500:])
+    # The probe does see an import when there is one: the engine's module imports torch.
+    r = subprocess.run([sys.executable, "-c", "import sys, gridwright.engines.megatron_checkpoint; "
+                        "print('torch' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "True"
+
+
+def test_a_run_without_preset_is_named_after_what_it_trains(run_launch, tmp_path):
+    r = run_launch("model=llama3_8b", "cluster=dgx_h100", "launcher=plan", "train.global_batch_size=16",
+                   "train.recompute=full", "zero=stage1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (job,) = (tmp_path / "jobs" / "llama3_8b-dgx_h100-stage1").iterdir()
+    assert json.loads((job / "plan.json").read_text())["experiment"] == "llama3_8b-dgx_h100-stage1"
+    assert "experiment  llama3_8b-dgx_h100-stage1" in r.stdout
+    # The root's tiny-CPU training settings and fp32 came along unasked: said, not refused.
+    assert "note        these train.* values are the root defaults, sized for tiny_llama on a CPU: " \
+           "steps=20, seq_length=64" in r.stdout
+    assert "+experiment=llama3_8b" in r.stdout
+    assert "note        precision=fp32 on GPUs (the CPU default)" in r.stdout
+
+
+def test_a_preset_names_itself_and_gets_no_notes(run_launch, tmp_path):
+    r = run_launch("+experiment=llama3_8b", "launcher=plan")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "jobs" / "llama3_8b").is_dir() and "note " not in r.stdout
+
+
+def test_gpu_cluster_without_cuda_is_refused_before_start(run_launch, tmp_path):
+    r = run_launch("+experiment=bench_gpu")
+    assert r.returncode == 2
+    assert "cluster 'h100_x1' runs 1 process(es) on CUDA GPUs, but this machine has 0 CUDA device(s)" in r.stderr
+    assert "nothing was started" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "jobs").exists() and not (tmp_path / "mlflow.db").exists()
+    # The same experiment plans (or is emitted for a cluster) on this machine.
+    assert run_launch("+experiment=bench_gpu", "launcher=plan").returncode == 0
+
+
+def test_derived_names(compose):
+    assert compose().name == "tiny_llama"
+    assert compose("engine=deepspeed", "zero=stage3").name == "tiny_llama-deepspeed-stage3"
+    assert compose("model=llama3_8b", "cluster=dgx_h100", "launcher=plan").name == "llama3_8b-dgx_h100"
+    assert compose("+experiment=bench_gpu").name == "bench_gpu"
+    assert compose("model=tiny_mixtral", "name=mine").name == "mine"

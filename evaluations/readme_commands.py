@@ -1,0 +1,167 @@
+"""Run every command of the README as written, in a fresh clone, and table what happened.
+
+    python -m gridwright.evaluations.readme_commands                 # CPU commands, fresh clone + venv
+    python -m gridwright.evaluations.readme_commands --gpu --here    # the GPU machine's commands, in place
+
+Commands are the lines of the README's ```bash blocks (continuations joined, comments
+split off). A command whose comment says "GPU machine" runs only with `--gpu`; the others
+run only without it. `<time>-<id>` in a path stands for the newest directory an earlier
+command made there; a command whose directory does not exist yet is skipped with that
+reason. The quick start's install runs in a virtual environment of the clone that sees
+this interpreter's packages (so the clone's own code is what runs); its test command is
+left to CI (`.ci/run` runs it) unless `--with-tests`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gridwright.atomic_io import write_text_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "evaluations" / "results"
+GPU_MARK = "GPU machine"
+PLACEHOLDER = "<time>-<id>"
+COMMENT = re.compile(r"\s+#\s")
+
+
+@dataclass
+class Command:
+    line: str
+    comment: str
+    gpu: bool
+
+
+@dataclass
+class Outcome:
+    command: str
+    status: str  # ok | failed | skipped
+    exit_code: int | None
+    seconds: float
+    note: str
+
+
+def readme_commands(readme: Path) -> list[Command]:
+    """Every command of the README's bash blocks, in order."""
+    out, in_block, pending = [], False, ""
+    for raw in readme.read_text().splitlines():
+        if raw.startswith("```"):
+            in_block = raw.strip() == "```bash" if not in_block else False
+            continue
+        if not in_block:
+            continue
+        line = pending + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1].rstrip() + " "
+            continue
+        pending = ""
+        if not line or line.startswith("#"):
+            continue
+        parts = COMMENT.split(line, maxsplit=1)
+        comment = parts[1].strip() if len(parts) > 1 else ""
+        out.append(Command(parts[0].strip(), comment, GPU_MARK in comment))
+    return out
+
+
+def resolve_placeholders(line: str, cwd: Path) -> tuple[str | None, str]:
+    """Replace `DIR/<time>-<id>` by the newest directory in DIR; (None, why) when there is none."""
+    for token in line.split():
+        if PLACEHOLDER not in token:
+            continue
+        parent = cwd / token.split(PLACEHOLDER)[0]
+        found = sorted((p for p in parent.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime) \
+            if parent.is_dir() else []
+        if not found:
+            return None, f"no directory under {token.split(PLACEHOLDER)[0]} yet (made by a GPU-machine command)"
+        line = line.replace(token, str(found[-1].relative_to(cwd)))
+    return line, ""
+
+
+def run(cmd: Command, cwd: Path, env: dict, timeout: int, log) -> Outcome:
+    line, why = resolve_placeholders(cmd.line, cwd)
+    if line is None:
+        return Outcome(cmd.line, "skipped", None, 0.0, why)
+    print(f"$ {line}", flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:
+        code, out, err = None, str(e.stdout or ""), f"timed out after {timeout} s"
+    seconds = time.perf_counter() - start
+    log.write(f"$ {line}\n{out}\n{err}\n[exit {code}, {seconds:.1f} s]\n\n")
+    last = next((l for l in reversed((out + "\n" + err).strip().splitlines()) if l.strip()), "")
+    status = "ok" if code == 0 else "failed"
+    print(f"  -> {status} ({code}) in {seconds:.1f} s: {last[:160]}", flush=True)
+    return Outcome(line, status, code, seconds, last[:200])
+
+
+def fresh_clone(tmp: Path) -> tuple[Path, dict]:
+    """A clone of this repository's HEAD and a venv that sees this interpreter's packages."""
+    clone = tmp / "gridwright"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
+    return clone, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", action="store_true", help="run the commands marked for the GPU machine instead")
+    ap.add_argument("--here", action="store_true", help="run in this checkout (no clone, no venv)")
+    ap.add_argument("--with-tests", action="store_true", help="also run the quick start's test command")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the table and the log")
+    args = ap.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    kind = "gpu" if args.gpu else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / f"readme_commands_{kind}_{stamp}.log"
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="gridwright-readme-") as tmp, open(log_path, "w") as log:
+        cwd, env = (REPO, dict(os.environ)) if args.here else fresh_clone(Path(tmp))
+        for cmd in readme_commands(cwd / "README.md"):
+            if cmd.gpu != args.gpu:
+                outcomes.append(Outcome(cmd.line, "skipped", None, 0.0,
+                                        "GPU machine (run with --gpu there)" if cmd.gpu else "CPU command"))
+                continue
+            if cmd.line.strip() == "python -m pytest" and not args.with_tests:
+                outcomes.append(Outcome(cmd.line, "skipped", None, 0.0, "the test suite: .ci/run runs it"))
+                continue
+            if "readme_commands" in cmd.line:
+                outcomes.append(Outcome(cmd.line, "skipped", None, 0.0, "this runner"))
+                continue
+            outcomes.append(run(cmd, cwd, env, args.timeout, log))
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "failed", "skipped")}
+    lines = [f"# README commands ({kind}; {'this checkout' if args.here else 'fresh clone'} of {commit}, "
+             f"{platform.node()}, {datetime.datetime.now():%Y-%m-%d %H:%M})", "",
+             f"{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped. Output: `{log_path.name}`.", "",
+             "| # | command | status | exit | s | last line / reason |", "| --- | --- | --- | --- | --- | --- |"]
+    for i, o in enumerate(outcomes, 1):
+        cell = o.note.replace("|", "\\|")
+        lines.append(f"| {i} | `{o.command[:150]}` | {o.status} | {'' if o.exit_code is None else o.exit_code} | "
+                     f"{o.seconds:.0f} | {cell} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    table = args.out / f"readme_commands_{kind}_{stamp}.md"
+    write_text_atomic(table, text)
+    write_text_atomic(table.with_suffix(".json"), json.dumps([asdict(o) for o in outcomes], indent=1))
+    print(f"wrote {table}")
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

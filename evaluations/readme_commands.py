@@ -100,7 +100,9 @@ def run(cmd: Command, cwd: Path, env: dict, timeout: int, log) -> Outcome:
         code, out, err = None, str(e.stdout or ""), f"timed out after {timeout} s"
     seconds = time.perf_counter() - start
     log.write(f"$ {line}\n{out}\n{err}\n[exit {code}, {seconds:.1f} s]\n\n")
-    last = next((l for l in reversed((out + "\n" + err).strip().splitlines()) if l.strip()), "")
+    # A success is told by its last word on stdout; a failure by its error on stderr.
+    text = out if code == 0 and out.strip() else err + "\n" + out
+    last = next((l for l in reversed(text.strip().splitlines()) if l.strip()), "")
     status = "ok" if code == 0 else "failed"
     print(f"  -> {status} ({code}) in {seconds:.1f} s: {last[:160]}", flush=True)
     return Outcome(line, status, code, seconds, last[:200])
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="run the commands marked for the GPU machine instead")
     ap.add_argument("--here", action="store_true", help="run in this checkout (no clone, no venv)")
     ap.add_argument("--with-tests", action="store_true", help="also run the quick start's test command")
+    ap.add_argument("--only", help="run only the commands this regular expression finds (others: skipped)")
+    ap.add_argument("--launch-extra", default="", help="overrides appended to every `python launch.py` command "
+                    "(e.g. tracking=off on a machine without MLflow); stated in the table")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per command")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for the table and the log")
     args = ap.parse_args(argv)
@@ -138,16 +143,22 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes.append(Outcome(cmd.line, "skipped", None, 0.0,
                                         "GPU machine (run with --gpu there)" if cmd.gpu else "CPU command"))
                 continue
+            if args.only and not re.search(args.only, cmd.line):
+                outcomes.append(Outcome(cmd.line, "skipped", None, 0.0, f"not selected (--only {args.only})"))
+                continue
             if cmd.line.strip() == "python -m pytest" and not args.with_tests:
                 outcomes.append(Outcome(cmd.line, "skipped", None, 0.0, "the test suite: .ci/run runs it"))
                 continue
             if "readme_commands" in cmd.line:
                 outcomes.append(Outcome(cmd.line, "skipped", None, 0.0, "this runner"))
                 continue
+            if args.launch_extra and cmd.line.startswith("python launch.py"):
+                cmd = Command(f"{cmd.line} {args.launch_extra}", cmd.comment, cmd.gpu)
             outcomes.append(run(cmd, cwd, env, args.timeout, log))
     counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "failed", "skipped")}
     lines = [f"# README commands ({kind}; {'this checkout' if args.here else 'fresh clone'} of {commit}, "
              f"{platform.node()}, {datetime.datetime.now():%Y-%m-%d %H:%M})", "",
+             *([f"Appended to every `python launch.py` command: `{args.launch_extra}`.", ""] if args.launch_extra else []),
              f"{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped. Output: `{log_path.name}`.", "",
              "| # | command | status | exit | s | last line / reason |", "| --- | --- | --- | --- | --- | --- |"]
     for i, o in enumerate(outcomes, 1):

@@ -22,6 +22,8 @@ EVERYWHERE = (
      "torch.distributed.checkpoint's deprecation, called inside Megatron-Core's checkpoint loading"),
     ("Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
      "Megatron-Core 0.16.1's distributed checkpoints are built on ShardedTensor"),
+    ("The pad token id in the tokenizer collides with another special token id", UserWarning,
+     "gridwright's tokenizers pad with end-of-document; packed GPT samples have no padding to mask"),
 )
 ON_CPU = (
     ("it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 _PROBE = """
-import json
+import importlib.util, json, sys
 out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None}
 try:
     import torch
@@ -22,13 +22,15 @@ try:
     out["cuda_devices"] = torch.cuda.device_count()
 except Exception as e:
     out["error"] = f"{type(e).__name__}: {e}"
-try:
-    import transformer_engine.pytorch  # needs CUDA and cuDNN; fails at import without them
-    out["transformer_engine"] = True
-except Exception:
-    pass
+if sys.argv[1] == "te" and importlib.util.find_spec("transformer_engine") is not None:
+    try:
+        import transformer_engine.pytorch  # needs CUDA and cuDNN; fails at import without them
+        out["transformer_engine"] = True
+    except Exception:
+        pass
 print(json.dumps(out))
 """
+PROBE_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,15 @@ class MachineFacts:
     error: str | None
 
 
-@functools.lru_cache(maxsize=1)
-def probe() -> MachineFacts:
-    """Ask a child Python (this interpreter) what it finds; cached for this process."""
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+@functools.lru_cache(maxsize=2)
+def probe(transformer_engine: bool = False) -> MachineFacts:
+    """Ask a child Python (this interpreter) what it finds; cached for this process.
+    Transformer Engine is imported only when asked (FP8 runs): its import can be slow."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, "te" if transformer_engine else "-"],
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return MachineFacts(None, 0, False, f"importing torch took over {PROBE_TIMEOUT_S} s")
     try:
         return MachineFacts(**json.loads(done.stdout.strip().splitlines()[-1]))
     except (IndexError, ValueError, TypeError):

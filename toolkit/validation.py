@@ -191,7 +191,7 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         )
     if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
-    if for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda" and not probe().transformer_engine:
+    if for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda" and not probe(transformer_engine=True).transformer_engine:
         out.append(
             "FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would "
             "silently train in bf16 while the config says FP8, so gridwright refuses. Fix: install "
@@ -355,6 +355,17 @@ def check_launcher(cfg, for_launch: bool) -> list[str]:
     return []
 
 
+def check_tracking(cfg) -> list[str]:
+    """A tracked run needs MLflow where it runs: this process opens the run of a local
+    launch or a sweep (found without importing it, which takes seconds)."""
+    import importlib.util
+
+    if cfg.tracking.enabled and cfg.launcher.name == "local" and importlib.util.find_spec("mlflow") is None:
+        return ["tracking is on, but MLflow is not installed here. Fix: pip install mlflow==3.17.2, or "
+                "tracking=off (the job directory keeps everything; `python -m gridwright.sync DIR` logs it later)."]
+    return []
+
+
 def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
     out, d = [], placement.layout.nvlink_domain_size
     for kind, allow, flag in (
@@ -446,6 +457,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
     problems += check_launcher(cfg, for_launch)
+    problems += check_tracking(cfg)
     problems += check_checkpoint(cfg)
     problems += check_data(cfg)
     problems += check_evaluate(cfg)

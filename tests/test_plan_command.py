@@ -5,6 +5,7 @@ or MLflow (their imports take seconds); a run without a preset is named after wh
 trains; a GPU run on a machine without the GPUs is refused before anything is created.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -62,6 +63,11 @@ def test_a_preset_names_itself_and_gets_no_notes(run_launch, tmp_path):
     r = run_launch("+experiment=llama3_8b", "launcher=plan")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "jobs" / "llama3_8b").is_dir() and "note " not in r.stdout
+    # Files written atomically keep the umask's permissions (not mkstemp's private 0600).
+    (plan,) = (tmp_path / "jobs" / "llama3_8b").glob("*/plan.json")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert plan.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_gpu_cluster_without_cuda_is_refused_before_start(run_launch, tmp_path):

@@ -8,12 +8,20 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is set straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write to a temporary file beside `path`, fsync it, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's file is private; the result should not be
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -57,9 +65,7 @@ def staged_directory(final: str | os.PathLike, overwrite: bool = False):
         raise FileExistsError(f"{final} already exists; pass --overwrite to replace it.")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the output should not be
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the output should not be
     old, committed = None, False
     try:
         yield tmp

@@ -419,8 +419,12 @@ def _verifier(args, direction: str):
 
     def verify(staged: Path, record: dict) -> dict:
         hf_dir, megatron_dir = (Path(args.hf), staged) if direction == "hf-to-megatron" else (staged, Path(args.megatron))
-        result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                                model=record["model_config"], round_to=args.dtype)
+        try:
+            result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                                    model=record["model_config"], round_to=args.dtype)
+        except (RuntimeError, OSError) as e:  # e.g. the Megatron-Core logits processes failed
+            raise VerificationFailed(f"the verification could not run ({type(e).__name__}: {str(e)[-1500:]}); "
+                                     f"nothing was written to {args.out}.") from e
         result["tolerance"] = args.tolerance
         ok = result["max_abs_diff"] <= args.tolerance
         print(f"verify: max |logit diff| {result['max_abs_diff']:.3e} at TP={args.tp} PP={args.pp} EP={args.ep} "

@@ -86,3 +86,5 @@ def test_derived_names(compose):
     assert compose("model=llama3_8b", "cluster=dgx_h100", "launcher=plan").name == "llama3_8b-dgx_h100"
     assert compose("+experiment=bench_gpu").name == "bench_gpu"
     assert compose("model=tiny_mixtral", "name=mine").name == "mine"
+    # The name exists before values are resolved: `${name}` in a value sees it.
+    assert compose("model=tiny_mixtral", "checkpoint.save=ckpt/${name}").checkpoint.save == "ckpt/tiny_mixtral"

@@ -9,7 +9,14 @@ from pathlib import Path
 
 
 def _umask() -> int:
-    """The process's umask (reading it means setting it; it is set straight back)."""
+    """The process's umask. Linux tells it in /proc; elsewhere reading it means setting it
+    (and straight back), which other threads could notice, so /proc comes first."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

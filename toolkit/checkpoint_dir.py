@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 LATEST = "latest"
-_ITERATION = re.compile(r"iter_(\d{7})")
+_ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
 # the function the weights compute.

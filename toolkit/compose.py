@@ -43,13 +43,15 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def strip_hydra(cfg: DictConfig) -> DictConfig:
-    """The run's own config, resolved, without Hydra's runtime node, and named."""
-    container = OmegaConf.to_container(cfg, resolve=True)
+    """The run's own config, named, then resolved, without Hydra's runtime node. Naming comes
+    first so that `${name}` in a value (`checkpoint.save=ckpt/${name}`) sees the name."""
+    container = OmegaConf.to_container(cfg, resolve=False)
     container.pop("hydra", None)
     typed = OmegaConf.structured(RunConfig)
     merged = OmegaConf.merge(typed, container)
     if merged.name is None:
         merged.name = derived_name(merged)
+    OmegaConf.resolve(merged)
     OmegaConf.set_struct(merged, True)
     return merged
 

@@ -75,8 +75,14 @@ def extensions_to_build(cfg) -> list[str]:
     # rather than re-deriving the directory name (it depends on the Python and CUDA build).
     from torch.utils.cpp_extension import _get_build_directory
 
+    try:  # ops built into the install (DS_BUILD_CPU_ADAM=1 ...) are never compiled at run time
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        installed_ops = {}
     out = []
     for name in names:
+        if installed_ops.get(name):
+            continue
         try:
             built = os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
         except Exception:  # noqa: BLE001 - unknown: announce rather than stay silent

@@ -107,7 +107,8 @@ def nothing_to_resume(cfg) -> str | None:
         path = latest_checkpoint(ck.load)
     except CheckpointError:
         return None  # validation reports it
-    if path is None or step_of(path) < cfg.train.steps:
+    step = step_of(path) if path is not None else 0
+    if step < cfg.train.steps:
         return None
-    return (f"nothing to train: checkpoint.load={ck.load} is at step {step_of(path)} ({path.name}) and "
+    return (f"nothing to train: checkpoint.load={ck.load} is at step {step} ({path.name}) and "
             f"train.steps={cfg.train.steps}. To train further, raise train.steps.")

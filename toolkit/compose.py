@@ -62,9 +62,15 @@ NAMING_GROUPS = ("cluster", "engine", "zero", "precision")
 
 
 @functools.lru_cache(maxsize=1)
+def root_config() -> DictConfig:
+    """conf/config.yaml as written (its defaults list and the root's own values)."""
+    return OmegaConf.load(CONF_DIR / "config.yaml")
+
+
+@functools.lru_cache(maxsize=1)
 def root_defaults() -> dict[str, str]:
     """Each group's default option in conf/config.yaml (`model: tiny_llama`, ...)."""
-    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    defaults = root_config().defaults
     return {k: v for entry in defaults if isinstance(entry, DictConfig) for k, v in entry.items()
             if isinstance(v, str) and not k.startswith("override")}
 
@@ -107,7 +113,7 @@ def composition_notes(cfg) -> list[str]:
     cluster without a preset keeps its training settings and fp32 unless told otherwise.
     """
     notes = []
-    root = OmegaConf.load(CONF_DIR / "config.yaml")
+    root = root_config()
     kept = {k: v for k, v in root.train.items() if cfg.train[k] == v}
     if cfg.model.name != root_defaults().get("model") and "seq_length" in kept:
         presets = presets_for_model(cfg.model.name)

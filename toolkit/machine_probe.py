@@ -8,28 +8,39 @@ planning never import torch themselves, and the probe runs only for local GPU la
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
 
-_PROBE = """
-import importlib.util, json, sys
-out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None}
-try:
-    import torch
-    out["torch"] = torch.__version__
-    out["cuda_devices"] = torch.cuda.device_count()
-except Exception as e:
-    out["error"] = f"{type(e).__name__}: {e}"
-if sys.argv[1] == "te" and importlib.util.find_spec("transformer_engine") is not None:
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports here. It needs CUDA and cuDNN: without them its
+    import fails, and Megatron-Core would silently drop FP8 (which validation refuses)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
     try:
-        import transformer_engine.pytorch  # needs CUDA and cuDNN; fails at import without them
-        out["transformer_engine"] = True
-    except Exception:
-        pass
-print(json.dumps(out))
-"""
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # an install without CUDA/cuDNN fails at import
+        return False
+    return True
+
+
+def _facts_here(with_transformer_engine: bool) -> dict:
+    """What this process finds; run in the child (`python -m gridwright.machine_probe`)."""
+    out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["cuda_devices"] = torch.cuda.device_count()
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the parent words the refusal
+        out["error"] = f"{type(e).__name__}: {e}"
+    if with_transformer_engine:
+        out["transformer_engine"] = transformer_engine_available()
+    return out
+
+
 PROBE_TIMEOUT_S = 120
 
 
@@ -46,7 +57,7 @@ def probe(transformer_engine: bool = False) -> MachineFacts:
     """Ask a child Python (this interpreter) what it finds; cached for this process.
     Transformer Engine is imported only when asked (FP8 runs): its import can be slow."""
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, "te" if transformer_engine else "-"],
+        done = subprocess.run([sys.executable, "-m", "gridwright.machine_probe", "te" if transformer_engine else "-"],
                               capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return MachineFacts(None, 0, False, f"importing torch took over {PROBE_TIMEOUT_S} s")
@@ -54,3 +65,7 @@ def probe(transformer_engine: bool = False) -> MachineFacts:
         return MachineFacts(**json.loads(done.stdout.strip().splitlines()[-1]))
     except (IndexError, ValueError, TypeError):
         return MachineFacts(None, 0, False, f"the probe failed: {done.stderr.strip()[-300:]}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_facts_here(sys.argv[1:] == ["te"])))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic_io import write_text_atomic
 from .jobdir import RANKS_DIR
 from .model_math import flops_record
 from .profiling import STEP_RANGE_PREFIX
@@ -47,6 +48,11 @@ def memory_peaks_gib(on_cuda: bool) -> dict[str, float]:
 def memory_record_path(job_dir, rank: int) -> Path:
     """Where each rank leaves its peak memory at the end of training."""
     return Path(job_dir) / RANKS_DIR / f"memory_{rank:05d}.json"
+
+
+def write_memory_record(job_dir, rank: int, on_cuda: bool) -> None:
+    """Leave this rank's peak memory for the logging rank's summary (every engine does)."""
+    write_text_atomic(memory_record_path(job_dir, rank), json.dumps(memory_peaks_gib(on_cuda)))
 
 
 def read_memory_records(job_dir) -> dict[int, dict]:

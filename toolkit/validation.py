@@ -191,7 +191,8 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         )
     if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
-    if for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda" and not probe(transformer_engine=True).transformer_engine:
+    local_gpu_launch = for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda"
+    if local_gpu_launch and not probe(transformer_engine=True).transformer_engine:
         out.append(
             "FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would "
             "silently train in bf16 while the config says FP8, so gridwright refuses. Fix: install "

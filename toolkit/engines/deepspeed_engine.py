@@ -6,7 +6,6 @@ data stream, loss definition and metrics are the Megatron engine's, so runs comp
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -15,8 +14,7 @@ import torch.nn.functional as F
 
 from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
-from ..atomic_io import write_text_atomic
-from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
+from ..step_metrics import timed_step, write_memory_record
 
 
 def hf_config(model):
@@ -163,6 +161,6 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         if trainer.is_logging_rank:
             on_step(step, metrics)
     if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
-        write_text_atomic(memory_record_path(job_dir, dist.get_rank()), json.dumps(memory_peaks_gib(on_cuda)))
+        write_memory_record(job_dir, dist.get_rank(), on_cuda)
     dist.barrier()
     dist.destroy_process_group()

@@ -2,8 +2,8 @@
 
 On disk, under `checkpoint.save`, as `checkpoint_dir` describes: `iter_N/` directories
 and a `latest` pointer. A save writes `iter_N.partial/`, renames it to `iter_N/` once
-every rank has finished, and only then points `latest` at it, so a process killed mid-save leaves the previous
-checkpoint as the one that loads. Model and optimizer are sharded state dicts (the
+every rank has finished, and only then points `latest` at it, so a process killed
+mid-save leaves the previous checkpoint as the one that loads. Model and optimizer are sharded state dicts (the
 distributed optimizer in its fully reshardable form), so a checkpoint loads onto another
 TP/PP/EP layout. Step, scheduler, layout and seed are common state; RNG states are saved
 per rank and restored only onto the same layout (they have no meaning on another).

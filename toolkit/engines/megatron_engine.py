@@ -7,7 +7,6 @@ optimizer for ZeRO stages 1-2) steps, and its scheduler sets the learning rate.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from functools import partial
@@ -17,14 +16,14 @@ import torch.distributed as dist
 
 from ..data_source import make_source
 from ..layout import ParallelLayout
-from ..atomic_io import write_text_atomic
 from ..checkpoint_dir import latest_checkpoint
 from ..profiling import ProfileWindow
-from ..step_metrics import memory_peaks_gib, memory_record_path, timed_step
+from ..step_metrics import timed_step, write_memory_record
 from . import megatron_checkpoint
 from .megatron_cpu_compat import cpu_compat
 from .megatron_fixes import apply_megatron_fixes
-from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs, transformer_engine_available
+from ..machine_probe import transformer_engine_available
+from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs
 
 
 def init_parallel(cfg, layout: ParallelLayout):
@@ -300,7 +299,7 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
                 if dist.get_rank() == 0:
                     print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
         if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
-            write_text_atomic(memory_record_path(job_dir, dist.get_rank()), json.dumps(memory_peaks_gib(not on_cpu)))
+            write_memory_record(job_dir, dist.get_rank(), on_cuda=not on_cpu)
         dist.barrier()
         from megatron.core import parallel_state as ps
 

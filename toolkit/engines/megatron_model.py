@@ -12,20 +12,6 @@ from megatron.core.transformer.module import MegatronModule
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_engine_available() -> bool:
-    """Whether TE's layer spec can be used here (TE needs CUDA and cuDNN; without them its
-    import fails, and Megatron-Core would silently drop FP8, which validation refuses)."""
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # an install without CUDA/cuDNN fails at import
-        return False
-    return True
-
-
 def transformer_config_kwargs(cfg, layout) -> dict:
     """Keyword arguments for megatron.core.transformer.TransformerConfig."""
     m, p, t = cfg.model, cfg.precision, cfg.train

@@ -18,4 +18,7 @@ def worker_env(cfg) -> dict[str, str]:
         env.update(NCCL_ENV)
     else:  # DeepSpeed otherwise looks for an accelerator and warns that it found none
         env["DS_ACCELERATOR"] = "cpu"
+        # One thread per rank: ranks share the cores, and oversubscribed threads made a
+        # CPU step 9x slower (5.36 s vs 0.60 s measured with two ranks on 2 cores).
+        env["OMP_NUM_THREADS"] = "1"
     return env

@@ -1,38 +1,72 @@
-"""Run the job now on this machine: torchrun with one process per GPU (or CPU rank)."""
+"""Run the job now on this machine: the agent (torchrun) with one process per GPU or CPU rank.
+
+The launcher owns the run's processes: the agent dies with it (even on SIGKILL), a
+SIGINT or SIGTERM here is passed on once (the workers stop after their current step and
+save), and whatever of the run still lives when the agent returns is ended. The
+rendezvous and gloo listen on 127.0.0.1 only.
+"""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from gridwright.process_tree import TOKEN_ENV, end_run_processes, new_token
+
+from .agent import DIE_WITH_PARENT_ENV, LOOPBACK_BACKEND
 from .environment import worker_env
+
+LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
-def torchrun_command(cfg, job_dir: Path, port: int) -> list[str]:
+def agent_command(cfg, job_dir: Path, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "gridwright.launchers.agent", "--job-dir", str(job_dir),
         "--nnodes=1",
         f"--nproc_per_node={cfg.cluster.gpus_per_node}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        "-m", "gridwright.worker", "--job-dir", str(job_dir),
+        f"--rdzv-backend={LOOPBACK_BACKEND}",
+        f"--rdzv-endpoint={LOOPBACK}:{port}",
+        "--rdzv-conf=rank=0",
+        f"--max-restarts={cfg.launcher.max_restarts}",
     ]
 
 
-def run_local(cfg, job_dir: Path, extra_env: dict[str, str]) -> int:
-    """Start torchrun and wait for it; returns its exit code."""
+def run_local(cfg, job_dir: Path, extra_env: dict[str, str]) -> tuple[int, int | None]:
+    """Start the agent and wait for it; returns its exit code and the signal that stopped
+    the launcher (None when none did)."""
+    token = new_token()
     env = dict(os.environ)
     env.update(worker_env(cfg))
     env.update(extra_env)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = torchrun_command(cfg, job_dir, free_port())
+    env.update({TOKEN_ENV: token, DIE_WITH_PARENT_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    cmd = agent_command(cfg, job_dir, free_port())
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which passes
+    # it on once; a second signal to torchrun mid-shutdown would cut the workers' save.
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def pass_on(signum, frame):
+        if not received:
+            print(f"launcher    signal {signum}: stopping the run after the current step", file=sys.stderr,
+                  flush=True)
+            agent.send_signal(signal.SIGTERM)
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        end_run_processes(token)
+    return code, (received[0] if received else None)

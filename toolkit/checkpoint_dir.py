@@ -11,11 +11,15 @@ does that).
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
+import socket
 from pathlib import Path
 
 LATEST = "latest"
+WRITER_LOCK = ".writer.lock"  # flock held by the one run writing this root (see hold_writer_lock)
 _ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
@@ -55,6 +59,99 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return path
 
 
+def damage(path: str | os.PathLike) -> str | None:
+    """What is wrong with one checkpoint directory's files, or None when every file the
+    checkpoint's index (`.metadata`, torch.distributed.checkpoint's) names is present and
+    long enough, and both metadata files read. A truncated shard fails here, before any
+    process starts, instead of deep inside a load."""
+    path = Path(path)
+    try:
+        json.loads((path / "metadata.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{path / 'metadata.json'} is unreadable ({type(e).__name__})"
+    if not (path / "common.pt").is_file():
+        return f"{path / 'common.pt'} is missing"
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: only when a load is planned
+
+    try:
+        index = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or foreign pickle
+        return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} is cut short ({file.stat().st_size} of {size} bytes)"
+    return None
+
+
+def intact_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete, undamaged checkpoints under `root`, newest first."""
+    found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name)]
+    return [p for p in sorted(found, key=step_of, reverse=True) if damage(p) is None]
+
+
+def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False) -> Path | None:
+    """The checkpoint a run resumes from: the latest, if intact; with `fallback`, else the
+    newest intact one. A damaged latest is refused, naming the one that would load."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return None
+    problem = damage(path)
+    if problem is None:
+        return path
+    older = [p for p in intact_checkpoints(root) if p != path]
+    if fallback and older:
+        return older[0]
+    hint = (f"The newest intact checkpoint is {older[0].name}: set checkpoint.fallback=true to resume from it."
+            if older else "No intact checkpoint is left beside it.")
+    raise CheckpointError(f"the latest checkpoint {path} is damaged: {problem}. {hint}")
+
+
+def hold_writer_lock(root: str | os.PathLike):
+    """Take the root's writer lock for the life of this process (returns the open file,
+    which holds it). The kernel drops an flock with its holder, so a killed run never
+    holds a directory; the file says who holds it. Raises CheckpointError if held."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / WRITER_LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise CheckpointError(f"{root} is being written by another run ({holder}); one run writes a "
+                              "checkpoint directory at a time. Fix: stop that run, or save elsewhere.") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    handle.flush()
+    return handle
+
+
+def writer_of(root: str | os.PathLike) -> str | None:
+    """Who holds the root's writer lock now (`host H pid P`), or None when nobody does."""
+    path = Path(root) / WRITER_LOCK
+    if not path.is_file():
+        return None
+    with open(path) as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                rec = json.loads(handle.read())
+                return f"host {rec['host']} pid {rec['pid']}"
+            except (ValueError, KeyError):
+                return "a process that left no name"
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
 def read_common(path: str | os.PathLike) -> dict:
     """The common (non-sharded) state of one checkpoint directory: step, model, layout..."""
     import torch  # the one torch use here: common.pt is a torch pickle
@@ -73,14 +170,14 @@ def model_differences(recorded: dict, model_cfg) -> list[str]:
     return out
 
 
-def describe_problem(root: str | os.PathLike, model_cfg=None) -> str | None:
+def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False) -> str | None:
     """Why `root` cannot be loaded (used by validation before anything starts)."""
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
     path = root / LATEST
     try:
-        path = latest_checkpoint(root)
+        path = checkpoint_to_load(root, fallback)
         if path is None:
             return f"checkpoint.load={root} has no '{LATEST}' file: it holds no complete checkpoint."
         common = read_common(path)

@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 from .compose import composition_notes, strip_hydra
 from .atomic_io import write_text_atomic
 from .checkpoint_dir import nothing_to_resume
-from .jobdir import PLAN_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir
+from .jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
+                     read_json)
 from .memory_estimate import estimate_memory
 from .model_math import param_counts
 from .plan_record import plan_lines, plan_record
@@ -101,12 +102,19 @@ def run_locally(cfg, layout, job_dir) -> int:
         run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags(), name_suffix=sweep.run_name_suffix())
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
         print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
-    code = run_local(cfg, job_dir, env)
+    code, stopped_by = run_local(cfg, job_dir, env)
+    stopped_by = stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
+    # A negative code: the agent itself was killed by that signal.
+    status = "killed" if stopped_by or code < 0 else ("finished" if code == 0 else "failed")
     if run_id is not None:
-        tracking.close_run(cfg, run_id, ok=code == 0, job_dir=job_dir)
+        tracking.close_run(cfg, run_id, status, job_dir=job_dir,
+                           error=None if code == 0 else f"the agent exited with code {code}")
         print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
-    elif code == 0:
+    elif code == 0 and not stopped_by:
         print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.sync {job_dir}")
+    if stopped_by:
+        print(f"stopped: signal {stopped_by}; see {job_dir}", file=sys.stderr)
+        return 128 + int(stopped_by)
     if code == 0:
         print(f"done: {job_dir}")
     else:

@@ -123,6 +123,9 @@ class LauncherConfig:
     time_limit: str = "01:00:00"
     container_image: Optional[str] = None
     python: str = "python"
+    # Local launcher: restarts of the whole worker group (torchrun's elastic restart) after
+    # a worker is lost; each resumes from the newest checkpoint in checkpoint.save.
+    max_restarts: int = 0
 
 
 @dataclass
@@ -169,6 +172,9 @@ class CheckpointConfig:
     save_interval: int = 0  # save every N steps; 0: only after the last step
     load: Optional[str] = None  # resume from the newest complete checkpoint here
     weights_only: bool = False  # load model weights only (fine-tuning, converted checkpoints)
+    # A damaged latest checkpoint (a file missing or cut short) is refused before start;
+    # true: resume from the newest intact one instead.
+    fallback: bool = False
 
 
 @dataclass

@@ -15,6 +15,8 @@ A `-m` sweep is one parent run with a nested run per point (tag `mlflow.parentRu
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -27,6 +29,7 @@ from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, P
                      job_record, load_job_config, read_json)
 from .layout import ParallelLayout
 from .profiling import TRACES_DIR
+from . import run_owner
 from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
 from .trace_analysis import COMMUNICATION_FILE
 
@@ -38,9 +41,10 @@ PARENT_TAG = "mlflow.parentRunId"
 JOB_ID_TAG = "gridwright.job_id"
 SWEEP_ID_TAG = "gridwright.sweep_id"
 SWEEP_POINT_TAG = "gridwright.sweep_point"
-STATUS_TAG = "gridwright.status"  # finished | failed | invalid | planned
+STATUS_TAG = "gridwright.status"  # finished | failed | killed | invalid | planned
 ERROR_TAG = "gridwright.error"
-MLFLOW_STATUS = {"finished": "FINISHED", "planned": "FINISHED", "failed": "FAILED", "invalid": "FAILED"}
+MLFLOW_STATUS = {"finished": "FINISHED", "planned": "FINISHED", "failed": "FAILED", "invalid": "FAILED",
+                 "killed": "KILLED"}
 
 SETUP_FILES = (CONFIG_FILE, PLACEMENT_JSON, PLACEMENT_CSV, PLAN_FILE)
 RESULT_FILES = (SUMMARY_FILE, METRICS_FILE, COMMUNICATION_FILE, COMM_PROFILE_PNG)
@@ -76,8 +80,30 @@ def client_for(uri: str):
     return MlflowClient(uri)
 
 
+@contextlib.contextmanager
+def _store_setup_lock(uri: str):
+    """One process at a time sets up a local SQLite store (MLflow's schema migration) and
+    creates experiments in it: two first runs at once otherwise race (alembic, UNIQUE)."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".setup-lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def experiment_id(client, name: str, uri: str) -> str:
     """The experiment's id, created if needed, tagged so that the UI opens it on its runs."""
+    with _store_setup_lock(uri):
+        return _experiment_id(client, name, uri)
+
+
+def _experiment_id(client, name: str, uri: str) -> str:
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
@@ -249,10 +275,12 @@ def last_write_ms(job_dir: Path) -> int:
 
 
 def job_outcome(cfg, job_dir: Path) -> str:
-    """What a job directory shows: finished (it left a summary), planned (nothing has run:
-    a plan, or a torchrun/Slurm job not run yet), else failed."""
-    if (job_dir / SUMMARY_FILE).is_file():
-        return "finished"
+    """What a job directory shows: finished (it left a summary), killed (its summary says
+    a signal stopped it), planned (nothing has run: a plan, or a torchrun/Slurm job not
+    run yet), else failed."""
+    summary = read_json(job_dir / SUMMARY_FILE)
+    if summary:
+        return "killed" if summary.get("stopped_by_signal") else "finished"
     ran = (job_dir / METRICS_FILE).is_file() or (job_dir / RANKS_DIR).is_dir()
     return "planned" if not ran and cfg.launcher.name != "local" else "failed"
 
@@ -288,6 +316,8 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
     outcome = job_outcome(cfg, job_dir)
     status = outcome if status in (None, "planned") else status
     existing = find_run(client, exp_id, JOB_ID_TAG, record["job_id"])
+    if existing is not None and existing.info.status == "RUNNING":
+        close_orphaned_run(cfg, job_dir, status="killed")
     if existing is not None:
         if existing.data.tags.get(STATUS_TAG) != "planned" or status == "planned":
             return existing.info.run_id, False
@@ -303,12 +333,22 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
 
 # Live runs -----------------------------------------------------------------
 def open_run(cfg, job_dir: Path, layout, tags: dict | None = None, name_suffix: str = "") -> str:
-    """Create the MLflow run of a job about to start (params, tags, config, placement and
-    plan artifacts); `tags` may nest it under a sweep's run. Returns its id."""
+    """The MLflow run of a job about to start, kept open by this process (run_owner).
+    A new run gets params, tags, config, placement and plan artifacts (`tags` may nest it
+    under a sweep's run); a job that ran before (a restart, a requeue, a re-run of its
+    job directory) gets its own run back, RUNNING again. Returns its id."""
     uri = tracking_uri(cfg)
     client = client_for(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, uri)
-    return create_job_run(client, exp_id, cfg, layout, Path(job_dir), tags=tags, name_suffix=name_suffix)
+    existing = find_run(client, exp_id, JOB_ID_TAG, job_record(Path(job_dir))["job_id"])
+    if existing is not None:
+        run_id = existing.info.run_id
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, STATUS_TAG, "running")
+    else:
+        run_id = create_job_run(client, exp_id, cfg, layout, Path(job_dir), tags=tags, name_suffix=name_suffix)
+    run_owner.claim(Path(job_dir), run_id)
+    return run_id
 
 
 class MetricsLogger:
@@ -331,13 +371,37 @@ class MetricsLogger:
         self.client.set_tag(self.run_id, key, value)
 
 
-def close_run(cfg, run_id: str, ok: bool, job_dir: Path | None = None) -> None:
-    """End a live run; with `job_dir`, first log what the run left there (as sync would)."""
+def close_run(cfg, run_id: str, status: str, job_dir: Path | None = None, error: str | None = None) -> None:
+    """End a live run as finished, failed or killed; with `job_dir`, first log what the
+    run left there (as sync would)."""
     client = client_for(tracking_uri(cfg))
     if job_dir is not None:
         log_job_results(client, run_id, Path(job_dir), step_metrics=False)
-    client.set_tag(run_id, STATUS_TAG, "finished" if ok else "failed")
-    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+    client.set_tag(run_id, STATUS_TAG, status)
+    if error:
+        client.set_tag(run_id, ERROR_TAG, error[:5000])
+    client.set_terminated(run_id, status=MLFLOW_STATUS[status])
+
+
+def close_orphaned_run(cfg, job_dir: Path, status: str) -> str | None:
+    """Close the job's run if it is still RUNNING but the process that kept it open is
+    gone (killed, or crashed before closing it); returns the run id when it did."""
+    owner = run_owner.owner(job_dir)
+    if not owner or run_owner.owner_gone(owner) is not True:
+        return None
+    client = client_for(tracking_uri(cfg))
+    try:
+        run = client.get_run(owner["run_id"])
+    except Exception:  # noqa: BLE001 - a store that lost the run: nothing to close
+        return None
+    if run.info.status != "RUNNING":
+        return None
+    if job_outcome(cfg, Path(job_dir)) == "finished":
+        status = "finished"  # the owner died after the run's last write
+    close_run(cfg, run.info.run_id, status, job_dir,
+              error=None if status == "finished" else
+              f"pid {owner['pid']} on {owner['host']}, which kept this run open, ended without closing it")
+    return run.info.run_id
 
 
 def where_to_see(uri: str, run_id: str) -> list[str]:

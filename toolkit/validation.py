@@ -311,7 +311,7 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from .checkpoint_dir import LATEST, describe_problem
+    from .checkpoint_dir import LATEST, describe_problem, writer_of
 
     ck, out = cfg.checkpoint, []
     if not (ck.save or ck.load):
@@ -321,9 +321,14 @@ def check_checkpoint(cfg) -> list[str]:
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
     if ck.load and cfg.launcher.name == "local":
-        problem = describe_problem(ck.load, cfg.model)
+        problem = describe_problem(ck.load, cfg.model, fallback=ck.fallback)
         if problem:
             out.append(problem)
+    for root in {ck.save, ck.load} - {None}:
+        writer = writer_of(root) if cfg.launcher.name == "local" else None
+        if writer:
+            out.append(f"{root} is being written by another run ({writer}); one run writes a checkpoint "
+                       "directory at a time. Fix: stop that run, or save elsewhere.")
     if ck.save and (Path(ck.save) / LATEST).exists():
         same = ck.load and Path(ck.load).resolve() == Path(ck.save).resolve()
         if not same:

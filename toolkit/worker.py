@@ -3,19 +3,28 @@
 Reads the job's composed config, checks that the process groups Megatron-Core builds
 are the placement that was printed, trains, and (on the one logging rank) writes
 metrics to `metrics.jsonl` and MLflow.
+
+Its life around training: it dies with its agent; SIGTERM/SIGINT stop it after the
+current step (with a checkpoint when `checkpoint.save` is set); a job directory that has
+run before (torchrun's elastic restart, a Slurm requeue, a re-run of the printed lines)
+resumes from the newest checkpoint in `checkpoint.save` into the same MLflow run, and no
+step is recorded twice.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 from .atomic_io import write_text_atomic
+from .checkpoint_dir import hold_writer_lock, latest_checkpoint
 from .jobdir import METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json
 from .known_warnings import filter_known_warnings
 from .layout import ParallelLayout
+from .process_tree import die_with_parent, end_descendants
 from .step_metrics import StepMetrics, read_memory_records
 
 # gridwright's placement names -> Megatron-Core's group getters in observed_coordinates().
@@ -43,6 +52,11 @@ class Reporter:
         self.cfg, self.job_dir = cfg, job_dir
         self.metrics = StepMetrics(cfg, layout.world_size)
         self.history: list[dict] = []
+        # Steps an earlier attempt of this job recorded: MLflow keeps every value it was
+        # given, so a step it holds is not logged again (a resumed run repeats them exactly).
+        self.recorded_before = read_metrics(job_dir / METRICS_FILE)
+        self.logged_up_to = max((r["step"] for r in self.recorded_before), default=-1)
+        self.first_step: int | None = None
         self.mlflow = None
         # A launching process that opened the run (local launcher) also logs the results
         # when it closes it; a run opened here (torchrun/Slurm) gets them from this rank.
@@ -56,12 +70,16 @@ class Reporter:
             self.mlflow = tracking.MetricsLogger(cfg, run_id)
 
     def on_step(self, step: int, raw: dict) -> None:
+        if self.first_step is None:  # keep what earlier attempts recorded before this step
+            self.first_step = step
+            self.history = [r for r in self.recorded_before if r["step"] < step]
+            write_text_atomic(self.job_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
         m = self.metrics.derive(raw)
         record = {"step": step, **m}
         self.history.append(record)
         with open(self.job_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.mlflow is not None:
+        if self.mlflow is not None and step > self.logged_up_to:
             self.mlflow.log(step, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
             mfu = f" mfu {m['mfu']:.1%} ({self.metrics.record['flops_definition']})" if "mfu" in m else ""
@@ -87,6 +105,7 @@ class Reporter:
 
     def finish(self, extra: dict) -> None:
         if not self.history:  # resumed at the last step: nothing ran
+            self.close("finished")
             return
         # The first step includes warm-up; traced steps carry the profiler's overhead.
         window = self.cfg.evaluate.profile_steps
@@ -113,11 +132,52 @@ class Reporter:
             summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
         print("\n".join(summary_lines(summary, self.cfg)), flush=True)
-        if self.mlflow is not None and self.opened_run_here:
-            from . import tracking
+        self.close("killed" if summary.get("stopped_by_signal") else "finished")
 
-            tracking.log_job_results(self.mlflow.client, self.mlflow.run_id, self.job_dir, step_metrics=False)
-            print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
+    def close(self, status: str, error: str | None = None) -> None:
+        """End the MLflow run this rank opened (torchrun, Slurm); the local launcher ends its own."""
+        if self.mlflow is None or not self.opened_run_here:
+            return
+        from . import tracking
+
+        tracking.close_run(self.cfg, self.mlflow.run_id, status, self.job_dir, error=error)
+        self.opened_run_here = False
+        print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's records, without a last line cut short by a killed run."""
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            out.append(record)
+    return out
+
+
+def has_run_before(job_dir: Path) -> bool:
+    """Whether an earlier attempt of this job got as far as building its model (every
+    rank asks before any rank of this attempt writes there: they meet first in init)."""
+    return (job_dir / RANKS_DIR).is_dir() or (job_dir / METRICS_FILE).is_file()
+
+
+def resume_point(cfg, job_dir: Path) -> str | None:
+    """For a job that ran before: the checkpoint root to resume from (checkpoint.save,
+    when it holds a checkpoint), else None (it starts over, or loads checkpoint.load)."""
+    ck = cfg.checkpoint
+    if not ck.save or not has_run_before(job_dir):
+        return None
+    try:
+        return ck.save if latest_checkpoint(ck.save) is not None else None
+    except Exception:  # noqa: BLE001 - a broken pointer is reported by the load itself
+        return ck.save
 
 
 def summary_lines(summary: dict, cfg) -> list[str]:
@@ -155,12 +215,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--job-dir", required=True, type=Path)
     args = parser.parse_args(argv)
-    job_dir = args.job_dir.resolve()
+    die_with_parent(signal.SIGTERM)
+    try:
+        return train(args.job_dir.resolve())
+    finally:
+        end_descendants()
+
+
+def train(job_dir: Path) -> int:
+    from .stop_request import StopRequest
+
+    stop = StopRequest()
     cfg = load_job_config(job_dir)
     filter_known_warnings(cfg.cluster.device)
     layout = ParallelLayout.from_config(cfg)
     planned = json.loads((job_dir / PLACEMENT_JSON).read_text())
     state = {}
+    rank = int(os.environ.get("RANK", "0"))
+    resume_from = resume_point(cfg, job_dir)
+    if resume_from:
+        cfg.checkpoint.load, cfg.checkpoint.weights_only = resume_from, False
+        if rank == 0:
+            print(f"restart     this job ran before: resuming from the newest checkpoint in {resume_from}", flush=True)
+    lock = hold_writer_lock(cfg.checkpoint.save) if cfg.checkpoint.save and rank == 0 else None  # noqa: F841
 
     def on_start(trainer):
         observed = trainer.observed_coordinates()
@@ -179,9 +256,17 @@ def main(argv: list[str] | None = None) -> int:
         from .engines.megatron_engine import run_training
     else:
         from .engines.deepspeed_engine import run_training
-    run_training(cfg, layout, on_step, on_start, job_dir=job_dir)
+    try:
+        run_training(cfg, layout, on_step, on_start, job_dir=job_dir, stop=stop)
+    except BaseException as e:
+        if "reporter" in state:
+            state["reporter"].close("killed" if stop.signal else "failed", error=f"{type(e).__name__}: {e}")
+        raise
     if "reporter" in state:
         extra = {"layer_spec": state["spec"], "placement_verified": True}
+        if stop.signal:
+            extra.update(stopped_by_signal=int(stop.signal), stopped_after_step=state["reporter"].history[-1]["step"]
+                         if state["reporter"].history else None)
         if cfg.evaluate.profile_steps is not None:
             extra["communication"] = evaluate_communication(job_dir)
         state["reporter"].finish(extra)

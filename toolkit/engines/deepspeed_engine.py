@@ -149,9 +149,10 @@ class DeepSpeedTrainer:
                 "update_skipped": 0.0}
 
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None) -> None:
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
-    Every rank leaves its peak memory in `job_dir`."""
+    Every rank leaves its peak memory in `job_dir`. A signal (`stop`) ends training after
+    the step every rank is at (this engine writes no checkpoints)."""
     trainer = DeepSpeedTrainer(cfg, layout)
     if on_start is not None:
         on_start(trainer)
@@ -160,6 +161,10 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         metrics = timed_step(trainer.train_step, step, on_cuda)
         if trainer.is_logging_rank:
             on_step(step, metrics)
+        if stop is not None and stop.agreed(trainer.device):
+            if dist.get_rank() == 0:
+                print(f"stopped     by signal {stop.signal} after step {step}", flush=True)
+            break
     if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
         write_memory_record(job_dir, dist.get_rank(), on_cuda)
     dist.barrier()

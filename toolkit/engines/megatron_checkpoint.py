@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint, model_differences
+from ..checkpoint_dir import LATEST, CheckpointError, checkpoint_to_load, iteration_name, model_differences
 
 
 def _layout_signature(layout) -> dict:
@@ -196,11 +196,12 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     return final
 
 
-def load(trainer, root: str | os.PathLike, weights_only: bool = False) -> int:
-    """Restore from the newest checkpoint under `root`; returns the step to continue from."""
+def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback: bool = False) -> tuple[int, Path]:
+    """Restore from the newest checkpoint under `root` (with `fallback`, the newest intact
+    one); returns the step to continue from and the checkpoint loaded."""
     from megatron.core import dist_checkpointing
 
-    path = latest_checkpoint(root)
+    path = checkpoint_to_load(root, fallback)
     if path is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
@@ -233,9 +234,9 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False) -> int:
     for i, m in enumerate(trainer.model):
         _load_weights_into(m.module, loaded[f"model{i}"], path)
     if weights_only:
-        return 0
+        return 0, path
     trainer.optimizer.load_state_dict(_match_optimizer_structure(loaded["optimizer"], target_optimizer, path))
     trainer.scheduler.load_state_dict(common["scheduler"])
     if same_layout:
         _set_rng_state(loaded["rng"])
-    return int(common["step"])
+    return int(common["step"]), path

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from ..data_source import make_source
 from ..layout import ParallelLayout
-from ..checkpoint_dir import latest_checkpoint
 from ..profiling import ProfileWindow
 from ..step_metrics import timed_step, write_memory_record
 from . import megatron_checkpoint
@@ -263,8 +262,10 @@ class MegatronTrainer:
         return total / iters
 
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None) -> None:
-    """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank."""
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:
+    """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
+    With `stop` (a StopRequest), a signal ends training after the step every rank is at,
+    saving a checkpoint first when `checkpoint.save` is set."""
     apply_megatron_fixes()
     on_cpu = cfg.cluster.device == "cpu"
     ctx = cpu_compat() if on_cpu else contextlib.nullcontext()
@@ -275,11 +276,11 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         first_step = 0
         if ck.load:
             started = time.perf_counter()
-            first_step = megatron_checkpoint.load(trainer, ck.load, weights_only=ck.weights_only)
+            first_step, path = megatron_checkpoint.load(trainer, ck.load, weights_only=ck.weights_only,
+                                                        fallback=ck.fallback)
             if dist.get_rank() == 0:
                 what = f"resuming after step {first_step}" if first_step else "weights only: training starts at step 0"
-                print(f"checkpoint  loaded {latest_checkpoint(ck.load)} in {time.perf_counter() - started:.1f} s; "
-                      f"{what}", flush=True)
+                print(f"checkpoint  loaded {path} in {time.perf_counter() - started:.1f} s; {what}", flush=True)
         if on_start is not None:
             on_start(trainer)
         window = ProfileWindow(cfg, job_dir or ".", dist.get_rank())
@@ -293,11 +294,18 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
                 metrics["val_loss"] = trainer.evaluate(done // every)
             if trainer.is_logging_rank:
                 on_step(step, metrics)
-            if ck.save and (done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)):
+            due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
+            signal = stop.agreed(trainer.device) if stop is not None else None
+            if ck.save and (due or signal):
                 started = time.perf_counter()
                 path = megatron_checkpoint.save(trainer, done, ck.save)
                 if dist.get_rank() == 0:
                     print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
+            if signal:
+                if dist.get_rank() == 0:
+                    print(f"stopped     by signal {signal} after step {step}"
+                          + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
+                break
         if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
             write_memory_record(job_dir, dist.get_rank(), on_cuda=not on_cpu)
         dist.barrier()

@@ -1,0 +1,154 @@
+"""The per-node agent of every launcher: torchrun, wrapped so that a run ends whole.
+
+    python -m gridwright.launchers.agent --job-dir DIR [torchrun options]
+
+runs torchrun's agent in this process with `-m gridwright.worker --job-dir DIR` as the
+entry point, and adds what torchrun leaves out:
+
+* every process it starts carries this node's run token (gridwright.process_tree), and
+  whatever still carries it when torchrun returns (a dead worker's children) is ended;
+* started by the local launcher (GRIDWRIGHT_DIE_WITH_PARENT=1), it dies with the
+  launcher, and torchrun then stops the workers;
+* `--rdzv-backend=gridwright-loopback` is torchrun's static rendezvous with its store
+  listening on the endpoint's address only (torch's TCPStore otherwise listens on every
+  interface): the local launcher's rendezvous is unreachable from other hosts;
+* at the end it closes the job's MLflow run if the rank that kept it open died without
+  doing so (gridwright.tracking.close_orphaned_run).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from gridwright.process_tree import TOKEN_ENV, die_with_parent, end_run_processes, new_token
+
+DIE_WITH_PARENT_ENV = "GRIDWRIGHT_DIE_WITH_PARENT"
+LOOPBACK_BACKEND = "gridwright-loopback"
+
+
+def _loopback_rendezvous(params):
+    """A one-node rendezvous whose store listens on the endpoint's address only (torch's
+    TCPStore takes a socket bound here through `master_listen_fd`). Each round (each
+    elastic restart) gets a fresh store on a fresh port: workers find their peers'
+    addresses in it, and the previous round's would be stale (torch's static rendezvous
+    keeps one store for every round)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, first_port = parse_rendezvous_endpoint(params.endpoint, -1)
+    if params.max_nodes != 1:
+        raise ValueError(f"{LOOPBACK_BACKEND} serves one node; --nnodes={params.max_nodes}")
+    timeout = datetime.timedelta(seconds=int(params.config.get("timeout", 900)))
+
+    class LoopbackRendezvous(RendezvousHandler):
+        def __init__(self):
+            self._round = 0
+            self._kept = []  # the current round's listening socket and store
+
+        def get_backend(self) -> str:
+            return LOOPBACK_BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            return True
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, first_port if self._round == 0 else 0))
+            listener.listen(1024)
+            port = listener.getsockname()[1]
+            store = dist.TCPStore(host, port, 1, True, timeout, multi_tenant=True, master_listen_fd=listener.fileno())
+            self._round += 1
+            self._kept = [listener, store]
+            return RendezvousInfo(dist.PrefixStore(params.run_id, store), 0, 1, RendezvousStoreInfo(host, port))
+
+        def is_closed(self) -> bool:
+            return False
+
+        def set_closed(self):
+            pass
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return params.run_id
+
+        def shutdown(self) -> bool:
+            return True
+
+    return LoopbackRendezvous()
+
+
+def _register_loopback_backend() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_rendezvous)
+
+
+def _split_job_dir(argv: list[str]) -> tuple[Path, list[str]]:
+    if len(argv) < 2 or argv[0] != "--job-dir":
+        sys.exit("usage: python -m gridwright.launchers.agent --job-dir DIR [torchrun options]")
+    return Path(argv[1]).resolve(), argv[2:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    job_dir, torchrun_args = _split_job_dir(sys.argv[1:] if argv is None else argv)
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        die_with_parent(signal.SIGTERM)
+    token = os.environ.setdefault(TOKEN_ENV, new_token())
+    stopped_by = {}
+
+    def note_signal(signum, frame):  # torchrun replaces this once it starts the workers
+        stopped_by["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, note_signal)
+    code = 1
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun_main
+
+        _register_loopback_backend()
+        try:
+            torchrun_main([*torchrun_args, "-m", "gridwright.worker", "--job-dir", str(job_dir)])
+            code = 0
+        except ChildFailedError:
+            code = 1
+        except SignalException as e:
+            stopped_by["signal"] = int(e.sigval)
+            code = 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        code = 128 + stopped_by.get("signal", signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish the clean-up below
+        left = end_run_processes(token)
+        if left:
+            print(f"agent       ended {left} process(es) the workers left behind", file=sys.stderr, flush=True)
+        _close_orphaned_run(job_dir, killed="signal" in stopped_by)
+    return code
+
+
+def _close_orphaned_run(job_dir: Path, killed: bool) -> None:
+    from gridwright.jobdir import load_job_config
+
+    try:
+        cfg = load_job_config(job_dir)
+    except OSError:
+        return
+    if not cfg.tracking.enabled:
+        return
+    from gridwright.tracking import close_orphaned_run
+
+    close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Stops, faults and restarts of the local launcher: whatever dies first, nothing of the
+run is left after 10 s, and its MLflow run says what happened."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO
+
+
+def start(tmp_path: Path, name: str, *overrides) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    cmd = [sys.executable, str(REPO / "launch.py"), f"job_dir={tmp_path / name}",
+           f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "train.warmup_steps=1", *overrides]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(job: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        path = job / "metrics.jsonl"
+        if path.exists() and sum(1 for _ in path.open()) > step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def run_tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The launcher, its agent and the workers (two, on the laptop cluster)."""
+    root = psutil.Process(proc.pid)
+    tree = [root, *root.children(recursive=True)]
+    assert len(workers_of(tree)) == 2, [cmdline(p) for p in tree]
+    return tree
+
+
+def cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:  # ended meanwhile (a checkpoint writer's short-lived child)
+        return []
+
+
+def workers_of(tree) -> list[psutil.Process]:
+    return [p for p in tree if "gridwright.worker" in cmdline(p)]  # not their own children
+
+
+def assert_all_gone(tree: list[psutil.Process], within: float = 10.0) -> None:
+    _, alive = psutil.wait_procs(tree, timeout=within)
+    assert not alive, [(p.pid, cmdline(p)) for p in alive]
+
+
+def mlflow_run(tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, runs
+    return client, runs[0]
+
+
+def role(tree, name: str) -> psutil.Process:
+    return next(p for p in tree if name in cmdline(p))
+
+
+@pytest.mark.parametrize("victim", ["launcher", "agent", "worker"])
+def test_sigkill_leaves_no_process_and_a_closed_run(tmp_path, victim):
+    proc = start(tmp_path, "job", "train.steps=2000")
+    wait_for_step(tmp_path / "job", 3, proc)
+    tree = run_tree(proc)
+    target = {"launcher": tree[0], "agent": role(tree, "gridwright.launchers.agent"),
+              "worker": workers_of(tree)[-1]}[victim]
+    target.kill()
+    started = time.time()
+    assert_all_gone(tree)
+    proc.communicate()
+    _, run = mlflow_run(tmp_path)
+    # The launcher or (when it is the one killed) the agent closes the run within the 10 s.
+    expected = {"launcher": "KILLED", "agent": "KILLED", "worker": "FAILED"}[victim]
+    assert run.info.status == expected, (run.info.status, run.data.tags)
+    assert time.time() - started < 15
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", "train.steps=2000", f"checkpoint.save={ck}")
+    wait_for_step(tmp_path / "job", 3, proc)
+    tree = run_tree(proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert_all_gone(tree, within=1)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert (ck / "latest").read_text().strip() == f"iter_{last + 1:07d}", out[-2000:]
+    assert f"stopped     by signal {int(signal.SIGTERM)} after step {last}" in out
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert summary["stopped_by_signal"] == signal.SIGTERM and summary["stopped_after_step"] == last
+    _, run = mlflow_run(tmp_path)
+    assert run.info.status == "KILLED" and run.data.tags["gridwright.status"] == "killed"
+
+
+def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(tmp_path):
+    steps = 24
+    reference = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), f"job_dir={tmp_path / 'reference'}", "tracking=off",
+         "train.warmup_steps=1", f"train.steps={steps}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", f"train.steps={steps}", f"checkpoint.save={ck}", "checkpoint.save_interval=4",
+                 "launcher.max_restarts=1")
+    job = tmp_path / "job"
+    deadline = time.time() + 240
+    while not (ck / "latest").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    wait_for_step(job, 6, proc)
+    tree = run_tree(proc)
+    workers_of(tree)[0].kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "restart     this job ran before: resuming from the newest checkpoint" in out
+    rows = [json.loads(l) for l in (job / "metrics.jsonl").read_text().splitlines()]
+    expected = [json.loads(l) for l in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(steps))
+    for got, want in zip(rows, expected):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (got["step"], got["loss"], want["loss"])
+    client, run = mlflow_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(steps))  # no step logged twice

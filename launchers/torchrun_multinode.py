@@ -1,7 +1,10 @@
-"""Emit one torchrun command per node (static rendezvous on node 0), to run by any means."""
+"""Emit one command per node, the node's agent (torchrun, static rendezvous on node 0), to
+run by any means. Re-running them on the same job directory resumes the job (from the
+newest checkpoint in checkpoint.save, into the same MLflow run)."""
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 from gridwright.atomic_io import write_text_atomic
@@ -14,13 +17,12 @@ COMMANDS_FILE = "torchrun_commands.sh"
 def node_command(cfg, job_dir: Path, node_rank: int) -> str:
     env = " ".join(f"{k}={v}" for k, v in sorted(worker_env(cfg).items()))
     args = [
-        cfg.launcher.python, "-m", "torch.distributed.run",
+        cfg.launcher.python or sys.executable, "-m", "gridwright.launchers.agent", "--job-dir", str(job_dir),
         f"--nnodes={cfg.cluster.nodes}",
         f"--nproc_per_node={cfg.cluster.gpus_per_node}",
         f"--node_rank={node_rank}",
         f"--master_addr={cfg.launcher.master_addr}",
         f"--master_port={cfg.launcher.master_port}",
-        "-m", "gridwright.worker", "--job-dir", str(job_dir),
     ]
     return f"{env} {shlex.join(args)}"
 

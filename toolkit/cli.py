@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .compose import composition_notes, strip_hydra
 from .atomic_io import write_text_atomic
@@ -18,6 +18,7 @@ from .jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, 
 from .memory_estimate import estimate_memory
 from .model_math import param_counts
 from .plan_record import plan_lines, plan_record
+from .schema import RunConfig
 from .validation import ConfigError, validate
 
 EXIT_INVALID = 2
@@ -52,8 +53,43 @@ def plan_text(cfg, layout, placement, job_dir, plan: dict) -> str:
     return "\n".join(lines)
 
 
+def unknown_key_message(e) -> str:
+    """One line for a key the schema does not have, with the nearest one it does."""
+    import difflib
+
+    key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
+    parent, _, leaf = str(key).rpartition(".")
+    schema = OmegaConf.structured(RunConfig)
+    node = OmegaConf.select(schema, parent) if parent else schema
+    known = list(node.keys()) if isinstance(node, DictConfig) else []
+    near = difflib.get_close_matches(leaf, known, n=1)
+    hint = f" Did you mean {parent + '.' if parent else ''}{near[0]}?" if near else ""
+    return f"error: {key} is not a key of the experiment's schema (gridwright.schema).{hint}"
+
+
+def absolute_paths(cfg) -> None:
+    """Make the paths the job records absolute: its workers may start in another directory
+    (Slurm's submission directory, another node's home) and must find the same files."""
+    from pathlib import Path
+
+    from .tracking import absolute_uri
+
+    cfg.tracking.uri = absolute_uri(cfg.tracking.uri)
+    for key in ("save", "load"):
+        if cfg.checkpoint[key]:
+            cfg.checkpoint[key] = str(Path(cfg.checkpoint[key]).resolve())
+    cfg.data.paths = [str(Path(p).resolve()) for p in cfg.data.paths]
+
+
 def run(hydra_cfg: DictConfig) -> int:
-    cfg = strip_hydra(hydra_cfg)
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = strip_hydra(hydra_cfg)
+    except OmegaConfBaseException as e:
+        print(unknown_key_message(e) if "Key" in type(e).__name__ else f"error: {e}".splitlines()[0],
+              file=sys.stderr)
+        return EXIT_INVALID
     try:
         layout, placement = validate(cfg, for_launch=True)
         job_dir = planned_job_dir(cfg)
@@ -63,6 +99,7 @@ def run(hydra_cfg: DictConfig) -> int:
         for note in composition_notes(cfg):
             print(f"note: {note}", file=sys.stderr)
         return EXIT_INVALID
+    absolute_paths(cfg)
     idle = nothing_to_resume(cfg) if cfg.launcher.name == "local" else None
     if idle:
         print(idle)

@@ -116,16 +116,27 @@ class EngineConfig:
 @dataclass
 class LauncherConfig:
     name: str = "local"  # local | torchrun | slurm | plan
-    master_addr: str = "127.0.0.1"
+    master_addr: str = "127.0.0.1"  # torchrun: node 0's address (Slurm finds its own)
     master_port: int = 29500
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time_limit: str = "01:00:00"
-    container_image: Optional[str] = None
-    python: str = "python"
+    # Interpreter of the emitted torchrun lines and Slurm script; None: the one planning.
+    python: Optional[str] = None
     # Local launcher: restarts of the whole worker group (torchrun's elastic restart) after
     # a worker is lost; each resumes from the newest checkpoint in checkpoint.save.
     max_restarts: int = 0
+    # Slurm (each None or empty: not asked for)
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    time_limit: str = "01:00:00"
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None  # per node, e.g. 200G
+    # auto: --gpus-per-node on CUDA clusters, nothing on CPU | gpus_per_node | gres | none
+    gpu_request: str = "auto"
+    exclusive: bool = True
+    extra_directives: list[str] = field(default_factory=list)  # e.g. ["--reservation=r1"]
+    setup: Optional[str] = None  # shell lines before srun: modules, a venv, exports
+    container_image: Optional[str] = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from .placement import Placement, plan_placement
 
 ENGINES = ("megatron", "deepspeed")
 LAUNCHERS = ("local", "torchrun", "slurm", "plan")
+GPU_REQUESTS = ("auto", "gpus_per_node", "gres", "none")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -48,6 +49,7 @@ def check_choices(cfg) -> list[str]:
         ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
         ("model.family", cfg.model.family, FAMILIES),
         ("evaluate.flops_definition", cfg.evaluate.flops_definition, FLOPS_DEFINITIONS),
+        ("launcher.gpu_request", cfg.launcher.gpu_request, GPU_REQUESTS),
     ):
         if value not in allowed:
             out.append(f"{path}='{value}' is not one of {', '.join(allowed)}.")
@@ -62,6 +64,14 @@ def check_choices(cfg) -> list[str]:
         )
     if cfg.zero.stage not in (0, 1, 2, 3):
         out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3.")
+    if cfg.launcher.max_restarts < 0:
+        out.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must be 0 or more.")
+    return out + check_counts(cfg)
+
+
+def check_counts(cfg) -> list[str]:
+    """Sizes that every layout computation divides by."""
+    out = []
     for path, v in (
         ("cluster.nodes", cfg.cluster.nodes),
         ("cluster.gpus_per_node", cfg.cluster.gpus_per_node),
@@ -453,9 +463,10 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
     """Check everything; return the layout and placement, or raise ConfigError."""
     problems = check_choices(cfg)
     layout = ParallelLayout.from_config(cfg)
-    layout_problems = layout.problems()
+    counts_ok = not check_counts(cfg)  # else the layout's arithmetic would divide by zero
+    layout_problems = layout.problems() if counts_ok else []
     problems += layout_problems
-    if not layout_problems:
+    if counts_ok and not layout_problems:
         problems += check_model_split(cfg, layout)
         problems += check_context_parallel(cfg, layout)
         problems += check_batch(cfg, layout)

@@ -1,0 +1,117 @@
+"""Multi-node launchers run for real on this host: the emitted torchrun lines as two agents,
+and the sbatch script, unedited, on a local Slurm with two nodes, with a requeue."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from local_slurm import LocalSlurm, missing
+
+STEPS = 200  # long enough (about 10 s of steps) for the requeue to land mid-run
+COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "checkpoint.save_interval=10"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan(tmp_path: Path, name: str, *overrides) -> Path:
+    job = tmp_path / name
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), f"job_dir={job}", f"tracking.uri=sqlite:///{tmp_path / 'ml.db'}",
+         f"checkpoint.save={tmp_path / (name + '_ck')}", *COMMON, *overrides],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return job
+
+
+def losses(job: Path) -> list[float]:
+    rows = [json.loads(l) for l in (job / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    return [r["loss"] for r in rows]
+
+
+def the_run(tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'ml.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, [r.info for r in runs]
+    return client, runs[0]
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory) -> list[float]:
+    """The same job (DP=2) on one node with the local launcher."""
+    tmp = tmp_path_factory.mktemp("single")
+    job = tmp / "job"
+    result = subprocess.run([sys.executable, str(REPO / "launch.py"), f"job_dir={job}", "tracking=off", *COMMON],
+                            cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(job)
+
+
+def test_torchrun_lines_as_two_agents(tmp_path, single_node):
+    job = plan(tmp_path, "job", "launcher=torchrun", "cluster.nodes=2", "cluster.gpus_per_node=1",
+               "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}")
+    lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if l and not l.startswith("#")]
+    assert len(lines) == 2
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # the lines carry their interpreter
+    nodes = [subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for line in lines]
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert losses(job) == pytest.approx(single_node, abs=1e-6)
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert "OMP_NUM_THREADS=1" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = missing()
+    if why:
+        pytest.skip(f"no local Slurm: {why}")
+    # Not under pytest's 0700 temporary root: munged runs as its own user and must reach it.
+    root = Path(tempfile.mkdtemp(prefix="gridwright-slurm-", dir="/tmp"))
+    cluster = LocalSlurm(root).start()
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_slurm_two_nodes_with_a_requeue(tmp_path, slurm, single_node):
+    job = plan(tmp_path, "job", "launcher=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1",
+               "launcher.partition=debug", "launcher.time_limit=00:20:00", f"launcher.master_port={free_port()}")
+    job_id = slurm.sbatch(job / "job.sbatch")  # unedited, from a clean environment
+    ck = tmp_path / "job_ck"
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((ck / "latest").exists() and (ck / "latest").read_text() >= "iter_0000020"):
+        assert slurm.state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"), slurm.state(job_id)
+        time.sleep(0.5)
+    slurm.scontrol("requeue", job_id)
+    # A requeued job waits out a begin-time delay; this test has no reason to.
+    deadline = time.time() + 60
+    while slurm.state(job_id) != "PENDING" and time.time() < deadline:
+        time.sleep(0.5)
+    slurm.scontrol("update", f"JobId={job_id}", "StartTime=now")
+    state = slurm.wait(job_id, timeout=600)
+    logs = "".join(p.read_text() for p in sorted(job.glob("slurm-*.out")))
+    assert state == "COMPLETED", logs[-5000:]
+    assert (job / f"slurm-{job_id}-node0.out").is_file() and (job / f"slurm-{job_id}-node1.out").is_file()
+    assert "attempt 1" in (job / f"slurm-{job_id}.out").read_text()
+    assert "0: restart     this job ran before: resuming from the newest checkpoint" in logs
+    assert losses(job) == pytest.approx(single_node, abs=1e-6)
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(STEPS))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_io import staged_directory
+from ..atomic_io import remove_stale_stages, staged_directory, unwritable_reason
 from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint
 from . import weight_map as wm
 from .hf_architecture import (
@@ -442,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
     check = _verifier(args, args.direction) if args.verify else None
+    problem = unwritable_reason(args.out)
+    if problem:
+        print(f"error: cannot write --out {args.out}: {problem}.", file=sys.stderr)
+        return EXIT_INVALID
+    for path in remove_stale_stages(args.out):
+        print(f"removed {path}: left by a conversion that was killed", file=sys.stderr)
     try:
         if args.direction == "hf-to-megatron":
             record = hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.name, dtype,
@@ -454,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     except VerificationFailed as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk filled, a file vanished: say so in one line
+        print(f"error: {e.strerror or e} ({e.filename or args.out}); nothing was written to {args.out}.",
+              file=sys.stderr)
         return 1
     print(f"wrote {args.out}: {record['hf_tensors']} Hugging Face tensors in {record['seconds']} s"
           + (" (verified before it was published)" if args.verify else ""))

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -58,6 +60,46 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
+def unwritable_reason(path: str | os.PathLike) -> str | None:
+    """Why `path` could not be created or written (its nearest existing folder is on a
+    read-only file system or not writable by this user), or None: checked before work."""
+    folder = Path(path).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a directory"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        try:
+            readonly = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+        except OSError:
+            readonly = False
+        return f"{folder} is on a read-only file system" if readonly else f"{folder} is not writable by this user"
+    return None
+
+
+def _stage_tag() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_stale_stages(final: str | os.PathLike) -> list[Path]:
+    """Remove the staging folders that conversions to `final` left behind when they were
+    killed (their process, named in the folder's name, no longer runs on this host). A
+    previous output moved aside by a conversion killed before its rename goes back."""
+    import psutil
+
+    final, removed = Path(final), []
+    host = socket.gethostname()
+    for path in final.parent.glob(f".{final.name}.*"):
+        match = re.fullmatch(re.escape(f".{final.name}.") + r"(.+)-(\d+)\.[^.]+\.(partial|old)", path.name)
+        if not match or match.group(1) != host or psutil.pid_exists(int(match.group(2))):
+            continue
+        if match.group(3) == "old" and (path / "previous").exists() and not os.path.lexists(final):
+            os.replace(path / "previous", final)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def staged_directory(final: str | os.PathLike, overwrite: bool = False):
     """Yield a fresh temporary directory beside `final`; rename it to `final` on success.
@@ -71,7 +113,8 @@ def staged_directory(final: str | os.PathLike, overwrite: bool = False):
     if os.path.lexists(final) and not overwrite:
         raise FileExistsError(f"{final} already exists; pass --overwrite to replace it.")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    # Named after this process, so that a later conversion can tell a dead one's leftovers.
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.{_stage_tag()}.", suffix=".partial"))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the output should not be
     old, committed = None, False
     try:
@@ -80,7 +123,7 @@ def staged_directory(final: str | os.PathLike, overwrite: bool = False):
         if os.path.lexists(final):
             if not overwrite:
                 raise FileExistsError(f"{final} appeared while it was being written; nothing was replaced.")
-            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".old"))
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.{_stage_tag()}.", suffix=".old"))
             os.replace(final, old / "previous")
         try:
             os.replace(tmp, final)

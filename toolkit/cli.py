@@ -11,7 +11,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from .compose import composition_notes, strip_hydra
-from .atomic_io import write_text_atomic
+from .atomic_io import unwritable_reason, write_text_atomic
 from .checkpoint_dir import nothing_to_resume
 from .jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
                      read_json)
@@ -94,6 +94,9 @@ def run(hydra_cfg: DictConfig) -> int:
         layout, placement = validate(cfg, for_launch=True)
         job_dir = planned_job_dir(cfg)
         check_job_dir_free(job_dir)
+        problem = unwritable_reason(job_dir)
+        if problem:
+            raise ConfigError([f"cannot create the job directory {job_dir}: {problem}. Fix: set job_root or job_dir."])
     except (ConfigError, JobDirExists) as e:
         print(f"error: {e}", file=sys.stderr)
         for note in composition_notes(cfg):
@@ -159,11 +162,47 @@ def run_locally(cfg, layout, job_dir) -> int:
     return code
 
 
+def user_config_dir_first() -> None:
+    """A user's `--config-dir DIR` (or `-cd DIR`) is searched before the packaged configs,
+    so that an edited copy of a packaged file wins, as Hydra users expect (Hydra itself
+    appends DIR after the application's own directory). The option is taken out of
+    sys.argv and DIR is put first by a search-path plugin, registered through Hydra's
+    public `Plugins.register`."""
+    import os
+
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    argv, user, rest = sys.argv[1:], None, None
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            user, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+            break
+        if arg.startswith("--config-dir="):
+            user, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            break
+    if user is None:
+        return
+    user = os.path.abspath(user)
+    if not os.path.isdir(user):
+        print(f"error: --config-dir {user} is not a directory.", file=sys.stderr)
+        sys.exit(EXIT_INVALID)
+    sys.argv[1:] = rest
+
+    class UserConfigDirFirst(SearchPathPlugin):
+        def manipulate_search_path(self, search_path) -> None:
+            search_path.prepend(provider="gridwright --config-dir", path=f"file://{user}")
+
+    Plugins.instance().register(UserConfigDirFirst)
+
+
 def main() -> None:
     """Console entry point `gridwright`, the same as `python launch.py`."""
     import hydra
 
     from .compose import CONF_DIR
+
+    user_config_dir_first()
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(cfg: DictConfig):

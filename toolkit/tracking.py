@@ -72,14 +72,6 @@ def _artifact_location(uri: str) -> str | None:
     return None
 
 
-def client_for(uri: str):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    mlflow.set_tracking_uri(uri)
-    return MlflowClient(uri)
-
-
 @contextlib.contextmanager
 def _store_setup_lock(uri: str):
     """One process at a time sets up a local SQLite store (MLflow's schema migration) and
@@ -95,6 +87,19 @@ def _store_setup_lock(uri: str):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def client_for(uri: str):
+    """A client of the store at `uri`; a new local store is set up (MLflow's schema
+    migration) by one process at a time."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(uri)
+    with _store_setup_lock(uri):
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # sets the store up now, inside the lock
+    return client
 
 
 def experiment_id(client, name: str, uri: str) -> str:

@@ -339,6 +339,12 @@ def check_checkpoint(cfg) -> list[str]:
         if writer:
             out.append(f"{root} is being written by another run ({writer}); one run writes a checkpoint "
                        "directory at a time. Fix: stop that run, or save elsewhere.")
+    if ck.save and cfg.launcher.name == "local":
+        from .atomic_io import unwritable_reason
+
+        problem = unwritable_reason(ck.save)
+        if problem:
+            out.append(f"checkpoint.save={ck.save} cannot be written: {problem}.")
     if ck.save and (Path(ck.save) / LATEST).exists():
         same = ck.load and Path(ck.load).resolve() == Path(ck.save).resolve()
         if not same:

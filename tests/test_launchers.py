@@ -1,6 +1,7 @@
 """Plan-only, multi-node torchrun and Slurm launchers: what they print and write."""
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -38,13 +39,33 @@ def test_multinode_torchrun_emits_one_command_per_node(run_launch, tmp_path):
     result = run_launch("+experiment=llama3_70b", "launcher=torchrun", "launcher.master_addr=10.0.0.1")
     assert result.returncode == 0, result.stderr
     job = only_job_dir(tmp_path)
-    lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if "torch.distributed.run" in l]
+    lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if "gridwright.launchers.agent" in l]
     assert len(lines) == 8
     for node, line in enumerate(lines):
         assert f"--node_rank={node}" in line and "--nnodes=8" in line and "--nproc_per_node=8" in line
         assert "--master_addr=10.0.0.1" in line and "NCCL_NVLS_ENABLE=0" in line
         assert f"--job-dir {job}" in line
     assert subprocess.run(["bash", "-n", str(job / "torchrun_commands.sh")]).returncode == 0
+
+
+def test_slurm_keys(run_launch, tmp_path):
+    result = run_launch("launcher=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "launcher.gpu_request=gres",
+                        "launcher.cpus_per_task=4", "launcher.mem=20G", "launcher.qos=high", "launcher.constraint=a100",
+                        "launcher.exclusive=false", "launcher.python=/opt/venv/bin/python",
+                        "launcher.extra_directives=['--reservation=r1','--mail-type=END']",
+                        "launcher.setup='module load cuda\nsource /opt/venv/bin/activate'")
+    assert result.returncode == 0, result.stderr
+    script = (only_job_dir(tmp_path) / "job.sbatch").read_text()
+    directives = [l for l in script.splitlines() if l.startswith("#SBATCH")]
+    for text in ("--gres=gpu:1", "--cpus-per-task=4", "--mem=20G", "--qos=high", "--constraint=a100",
+                 "--reservation=r1", "--mail-type=END"):
+        assert f"#SBATCH {text}" in directives, text
+    assert "#SBATCH --exclusive" not in directives and not any("gpus-per-node" in d for d in directives)
+    assert "module load cuda\nsource /opt/venv/bin/activate\n" in script
+    assert script.index("source /opt/venv/bin/activate") < script.index("srun --kill-on-bad-exit")
+    assert "/opt/venv/bin/python -m gridwright.launchers.agent" in script
+    assert "export OMP_NUM_THREADS=1" in script  # a CPU cluster
+    assert subprocess.run(["bash", "-n", str(only_job_dir(tmp_path) / "job.sbatch")]).returncode == 0
 
 
 def test_slurm_script(run_launch, tmp_path):
@@ -55,7 +76,9 @@ def test_slurm_script(run_launch, tmp_path):
     for text in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --account=ml", "export NCCL_NVLS_ENABLE=0", "export TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
                  "export NVSHMEM_DISABLE_NVLS=1", "--node_rank=$SLURM_NODEID", "placement.json",
-                 f"-m gridwright.worker --job-dir {job}", "scontrol show hostnames"):
+                 f"-m gridwright.launchers.agent --job-dir {job}", "scontrol show hostnames",
+                 f"{sys.executable} -m", "hostname --ip-address", "#SBATCH --requeue",
+                 f"--output={job}/slurm-%j-node%n.out"):
         assert text in script, text
     assert subprocess.run(["bash", "-n", str(job / "job.sbatch")]).returncode == 0
     assert f"sbatch {job}/job.sbatch" in result.stdout

@@ -3,6 +3,7 @@ and the sbatch script, unedited, on a local Slurm with two nodes, with a requeue
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,3 +116,36 @@ def test_slurm_two_nodes_with_a_requeue(tmp_path, slurm, single_node):
     client, run = the_run(tmp_path)
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(STEPS))
+
+
+def test_scancel_stops_every_process_and_closes_the_run(tmp_path, slurm):
+    job = plan(tmp_path, "job", "launcher=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1",
+               "launcher.partition=debug", f"launcher.master_port={free_port()}", "train.steps=5000")
+    job_id = slurm.sbatch(job / "job.sbatch")
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((job / "metrics.jsonl").exists()
+                                          and len((job / "metrics.jsonl").read_text().splitlines()) > 3):
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=slurm.env, check=True)
+    assert slurm.wait(job_id, timeout=120) == "CANCELLED"
+    deadline = time.time() + 10
+    while time.time() < deadline and processes_of(job):
+        time.sleep(0.5)
+    assert not processes_of(job)
+    logs = "".join(p.read_text() for p in sorted(job.glob("slurm-*.out")))
+    assert f"stopped     by signal {int(signal.SIGTERM)} after step" in logs, logs[-3000:]
+    _, run = the_run(tmp_path)
+    assert run.info.status == "KILLED", run.data.tags
+
+
+def processes_of(job: Path) -> list:
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if str(job) in " ".join(proc.cmdline()):
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out

@@ -86,9 +86,10 @@ def test_sigkill_leaves_no_process_and_a_closed_run(tmp_path, victim):
     assert time.time() - started < 15
 
 
-def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_stops_and_the_same_launch_resumes(tmp_path):
     ck = tmp_path / "ck"
-    proc = start(tmp_path, "job", "train.steps=2000", f"checkpoint.save={ck}")
+    args = ("train.steps=300", f"checkpoint.save={ck}")
+    proc = start(tmp_path, "job", *args)
     wait_for_step(tmp_path / "job", 3, proc)
     tree = run_tree(proc)
     proc.send_signal(signal.SIGTERM)
@@ -103,6 +104,17 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     assert summary["stopped_by_signal"] == signal.SIGTERM and summary["stopped_after_step"] == last
     _, run = mlflow_run(tmp_path)
     assert run.info.status == "KILLED" and run.data.tags["gridwright.status"] == "killed"
+
+    again = start(tmp_path, "job", *args)  # the same launch: a re-run of the job
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out[-3000:]
+    assert f"rerun       {tmp_path / 'job'} holds this job already" in out
+    assert f"checkpoint  loaded {ck / f'iter_{last + 1:07d}'} in " in out
+    rows = [json.loads(l) for l in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(300))
+    client, run = mlflow_run(tmp_path)  # the same run, reopened and finished
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(300))
 
 
 def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(tmp_path):
@@ -133,3 +145,51 @@ def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(steps))  # no step logged twice
+
+
+def torchrun_job(tmp_path: Path) -> tuple[Path, str]:
+    """A one-node job emitted as a torchrun line: its logging rank opens the MLflow run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), f"job_dir={tmp_path / 'job'}", "launcher=torchrun",
+         "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}", "train.steps=2000", "train.warmup_steps=1",
+         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = [l for l in (tmp_path / "job" / "torchrun_commands.sh").read_text().splitlines() if "agent" in l][0]
+    return tmp_path / "job", line
+
+
+@pytest.mark.parametrize("what", ["logging rank", "everything at once"])
+def test_a_dead_owner_is_found_and_its_run_closed(tmp_path, what):
+    """On torchrun and Slurm the logging rank keeps the run open. Killed, its agent closes
+    the run; everything killed at once, the next look at the job directory (sync) does."""
+    job, line = torchrun_job(tmp_path)
+    proc = subprocess.Popen(["bash", "-c", line], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for_step(job, 3, proc)
+    root = psutil.Process(proc.pid)
+    tree = [root, *root.children(recursive=True)]
+    owner = json.loads((job / "run_owner.json").read_text())
+    assert owner["pid"] in {p.pid for p in workers_of(tree)}
+    if what == "logging rank":
+        psutil.Process(owner["pid"]).kill()
+        proc.communicate(timeout=120)
+        assert_all_gone(tree, within=10)
+        _, run = mlflow_run(tmp_path)
+        assert run.info.status == "FAILED", run.data.tags
+        assert f"pid {owner['pid']} on {owner['host']}, which kept this run open" in run.data.tags["gridwright.error"]
+        return
+    for p in tree:
+        p.kill()
+    assert_all_gone(tree, within=10)
+    proc.communicate()
+    _, run = mlflow_run(tmp_path)
+    assert run.info.status == "RUNNING"  # nobody was left to close it
+    synced = subprocess.run([sys.executable, "-m", "gridwright.sync", str(job)], capture_output=True, text=True)
+    assert synced.returncode == 0, synced.stderr[-2000:]
+    _, run = mlflow_run(tmp_path)
+    assert run.info.status == "KILLED" and run.data.tags["gridwright.status"] == "killed"

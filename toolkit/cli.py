@@ -14,7 +14,7 @@ from .compose import composition_notes, strip_hydra
 from .atomic_io import unwritable_reason, write_text_atomic
 from .checkpoint_dir import nothing_to_resume
 from .jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
-                     read_json)
+                     read_json, same_job)
 from .memory_estimate import estimate_memory
 from .model_math import param_counts
 from .plan_record import plan_lines, plan_record
@@ -67,6 +67,16 @@ def unknown_key_message(e) -> str:
     return f"error: {key} is not a key of the experiment's schema (gridwright.schema).{hint}"
 
 
+def check_not_running(job_dir) -> None:
+    """A job re-run while its owner still runs would be two runs in one directory."""
+    from . import run_owner
+
+    owner = run_owner.owner(job_dir)
+    if owner and run_owner.owner_gone(owner) is False:
+        raise ConfigError([f"job {job_dir} is running now (pid {owner['pid']} on {owner['host']}); "
+                           "stop it before running it again."])
+
+
 def absolute_paths(cfg) -> None:
     """Make the paths the job records absolute: its workers may start in another directory
     (Slurm's submission directory, another node's home) and must find the same files."""
@@ -90,10 +100,15 @@ def run(hydra_cfg: DictConfig) -> int:
         print(unknown_key_message(e) if "Key" in type(e).__name__ else f"error: {e}".splitlines()[0],
               file=sys.stderr)
         return EXIT_INVALID
+    absolute_paths(cfg)
     try:
         layout, placement = validate(cfg, for_launch=True)
         job_dir = planned_job_dir(cfg)
-        check_job_dir_free(job_dir)
+        rerun = cfg.launcher.name == "local" and same_job(cfg, job_dir)
+        if rerun:
+            check_not_running(job_dir)
+        else:
+            check_job_dir_free(job_dir)
         problem = unwritable_reason(job_dir)
         if problem:
             raise ConfigError([f"cannot create the job directory {job_dir}: {problem}. Fix: set job_root or job_dir."])
@@ -102,12 +117,15 @@ def run(hydra_cfg: DictConfig) -> int:
         for note in composition_notes(cfg):
             print(f"note: {note}", file=sys.stderr)
         return EXIT_INVALID
-    absolute_paths(cfg)
     idle = nothing_to_resume(cfg) if cfg.launcher.name == "local" else None
     if idle:
         print(idle)
         return 0
-    create_job_dir(cfg, placement, job_dir)
+    if rerun:
+        print(f"rerun       {job_dir} holds this job already: running it again (it resumes from the newest "
+              "checkpoint in checkpoint.save, into its MLflow run)", flush=True)
+    else:
+        create_job_dir(cfg, placement, job_dir)
     plan = plan_record(cfg, layout, placement)
     write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
     print(plan_text(cfg, layout, placement, job_dir, plan), flush=True)

@@ -90,9 +90,18 @@ def create_sweep_dir(cfg) -> Path:
 def check_job_dir_free(path: Path) -> None:
     if path.exists():
         raise JobDirExists(
-            f"job directory {path} already exists; gridwright never overwrites a job. "
-            "Fix: choose another job_dir, or remove it yourself."
+            f"job directory {path} already exists with another config; gridwright never overwrites a job "
+            "(launched again with the same config, a local job resumes). Fix: choose another job_dir."
         )
+
+
+def same_job(cfg, path: Path) -> bool:
+    """Whether `path` is a job directory planned with exactly this config: launching it
+    again is a re-run of that job (it resumes), not a new job."""
+    try:
+        return is_job_dir(path) and (Path(path) / CONFIG_FILE).read_text() == OmegaConf.to_yaml(cfg)
+    except OSError:
+        return False
 
 
 def create_job_dir(cfg, placement: Placement, path: Path) -> Path:

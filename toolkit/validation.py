@@ -346,7 +346,10 @@ def check_checkpoint(cfg) -> list[str]:
         if problem:
             out.append(f"checkpoint.save={ck.save} cannot be written: {problem}.")
     if ck.save and (Path(ck.save) / LATEST).exists():
-        same = ck.load and Path(ck.load).resolve() == Path(ck.save).resolve()
+        from .jobdir import same_job
+
+        same = (ck.load and Path(ck.load).resolve() == Path(ck.save).resolve()) or (
+            cfg.job_dir and cfg.launcher.name == "local" and same_job(cfg, Path(cfg.job_dir)))
         if not same:
             out.append(
                 f"checkpoint.save={ck.save} already holds checkpoints of another run; gridwright does not "

@@ -147,7 +147,11 @@ def _close_orphaned_run(job_dir: Path, killed: bool) -> None:
         return
     from gridwright.tracking import close_orphaned_run
 
-    close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed")
+    try:
+        close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed")
+    except Exception as e:  # noqa: BLE001 - a store out of reach must not hide the run's own exit
+        print(f"agent       could not close the job's MLflow run ({type(e).__name__}: {e}); "
+              f"python -m gridwright.sync {job_dir} closes it later", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import pytest
 from conftest import REPO
 
 from gridwright.atomic_io import remove_stale_stages
-from gridwright.checkpoint_dir import hold_writer_lock
 
 
 def launch(tmp_path: Path, *args, timeout=300) -> subprocess.CompletedProcess:

@@ -1,7 +1,6 @@
 """Multi-node launchers run for real on this host: the emitted torchrun lines as two agents,
 and the sbatch script, unedited, on a local Slurm with two nodes, with a requeue."""
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -237,7 +237,8 @@ def train(job_dir: Path) -> int:
         cfg.checkpoint.load, cfg.checkpoint.weights_only = resume_from, False
         if rank == 0:
             print(f"restart     this job ran before: resuming from the newest checkpoint in {resume_from}", flush=True)
-    lock = hold_writer_lock(cfg.checkpoint.save) if cfg.checkpoint.save and rank == 0 else None  # noqa: F841
+    if cfg.checkpoint.save and rank == 0:  # held until this process ends
+        state["checkpoint_writer_lock"] = hold_writer_lock(cfg.checkpoint.save)
 
     def on_start(trainer):
         observed = trainer.observed_coordinates()

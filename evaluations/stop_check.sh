@@ -1,6 +1,6 @@
 # Stops on a GPU machine: SIGTERM of the local launcher (saves, stops) and SIGKILL of it
 # (agent and workers follow). Run from the repository root on the GPU machine, after its
-# set-up (the .gpu/setup.sh of the README's GPU notes); writes logs under $OUT.
+# set-up (torch with CUDA, then this package; see the README's quick start); writes logs under $OUT.
 #   OUT=/tmp/out bash evaluations/stop_check.sh
 set -e
 [ -n "${OUT:-}" ] || { echo "set OUT"; exit 2; }

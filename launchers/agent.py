@@ -7,8 +7,10 @@ entry point, and adds what torchrun leaves out:
 
 * every process it starts carries this node's run token (gridwright.process_tree), and
   whatever still carries it when torchrun returns (a dead worker's children) is ended;
-* started by the local launcher (GRIDWRIGHT_DIE_WITH_PARENT=1), it dies with the
-  launcher, and torchrun then stops the workers;
+* started by the local launcher (GRIDWRIGHT_LAUNCHER_PIPE=1), it follows the launcher
+  through a pipe on its stdin: a `stop` line or the pipe's end (the launcher died, even
+  by SIGKILL) makes it SIGTERM itself, once, and torchrun then stops the workers. Once:
+  a second SIGTERM in the middle of torchrun's shutdown would cut the workers' save;
 * `--rdzv-backend=gridwright-loopback` is torchrun's static rendezvous with its store
   listening on the endpoint's address only (torch's TCPStore otherwise listens on every
   interface): the local launcher's rendezvous is unreachable from other hosts;
@@ -22,11 +24,13 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
-from gridwright.process_tree import TOKEN_ENV, die_with_parent, end_run_processes, new_token
+from gridwright.process_tree import TOKEN_ENV, end_run_processes, new_token
 
-DIE_WITH_PARENT_ENV = "GRIDWRIGHT_DIE_WITH_PARENT"
+LAUNCHER_PIPE_ENV = "GRIDWRIGHT_LAUNCHER_PIPE"
+STOP_LINE = "stop"
 LOOPBACK_BACKEND = "gridwright-loopback"
 
 
@@ -92,6 +96,17 @@ def _register_loopback_backend() -> None:
     rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_rendezvous)
 
 
+def _follow_launcher() -> None:
+    """Stop (SIGTERM to this process, once) when the launcher says so or ends."""
+    def watch():
+        for line in sys.stdin:
+            if line.strip() == STOP_LINE:
+                break
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-pipe", daemon=True).start()
+
+
 def _split_job_dir(argv: list[str]) -> tuple[Path, list[str]]:
     if len(argv) < 2 or argv[0] != "--job-dir":
         sys.exit("usage: python -m gridwright.launchers.agent --job-dir DIR [torchrun options]")
@@ -100,8 +115,8 @@ def _split_job_dir(argv: list[str]) -> tuple[Path, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     job_dir, torchrun_args = _split_job_dir(sys.argv[1:] if argv is None else argv)
-    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
-        die_with_parent(signal.SIGTERM)
+    if os.environ.get(LAUNCHER_PIPE_ENV) == "1":
+        _follow_launcher()
     token = os.environ.setdefault(TOKEN_ENV, new_token())
     stopped_by = {}
 

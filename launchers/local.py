@@ -1,8 +1,9 @@
 """Run the job now on this machine: the agent (torchrun) with one process per GPU or CPU rank.
 
-The launcher owns the run's processes: the agent dies with it (even on SIGKILL), a
-SIGINT or SIGTERM here is passed on once (the workers stop after their current step and
-save), and whatever of the run still lives when the agent returns is ended. The
+The launcher owns the run's processes: the agent follows it through a pipe (a SIGINT or
+SIGTERM here is passed on once as a `stop` line: the workers stop after their current
+step and save; the pipe's end, when the launcher dies even by SIGKILL, stops the agent
+too), and whatever of the run still lives when the agent returns is ended. The
 rendezvous and gloo listen on 127.0.0.1 only.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from gridwright.process_tree import TOKEN_ENV, end_run_processes, new_token
 
-from .agent import DIE_WITH_PARENT_ENV, LOOPBACK_BACKEND
+from .agent import LAUNCHER_PIPE_ENV, LOOPBACK_BACKEND, STOP_LINE
 from .environment import worker_env
 
 LOOPBACK = "127.0.0.1"
@@ -47,19 +48,23 @@ def run_local(cfg, job_dir: Path, extra_env: dict[str, str]) -> tuple[int, int |
     env = dict(os.environ)
     env.update(worker_env(cfg))
     env.update(extra_env)
-    env.update({TOKEN_ENV: token, DIE_WITH_PARENT_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    env.update({TOKEN_ENV: token, LAUNCHER_PIPE_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
     cmd = agent_command(cfg, job_dir, free_port())
     print("+ " + " ".join(cmd), flush=True)
     # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which passes
     # it on once; a second signal to torchrun mid-shutdown would cut the workers' save.
-    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.PIPE, text=True)
     received: list[int] = []
 
     def pass_on(signum, frame):
         if not received:
             print(f"launcher    signal {signum}: stopping the run after the current step", file=sys.stderr,
                   flush=True)
-            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.stdin.write(STOP_LINE + "\n")
+                agent.stdin.flush()
+            except OSError:  # the agent has ended already
+                pass
         received.append(signum)
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -68,5 +73,6 @@ def run_local(cfg, job_dir: Path, extra_env: dict[str, str]) -> tuple[int, int |
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        agent.stdin.close()
         end_run_processes(token)
     return code, (received[0] if received else None)

@@ -50,8 +50,19 @@ def workers_of(tree) -> list[psutil.Process]:
     return [p for p in tree if "gridwright.worker" in cmdline(p)]  # not their own children
 
 
+def running(proc: psutil.Process) -> bool:
+    """Alive and not a zombie (an exited process whose parent died waits for pid 1 to reap it)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def assert_all_gone(tree: list[psutil.Process], within: float = 10.0) -> None:
-    _, alive = psutil.wait_procs(tree, timeout=within)
+    deadline = time.time() + within
+    while time.time() < deadline and any(running(p) for p in tree):
+        time.sleep(0.2)
+    alive = [p for p in tree if running(p)]
     assert not alive, [(p.pid, cmdline(p)) for p in alive]
 
 

@@ -4,8 +4,7 @@ torchrun starts each worker in a session of its own and, when a worker dies, sig
 the workers still alive; a worker's own children (compile pools, data loaders) outlive
 it. So every process of a run carries a token in its environment (children inherit it),
 and whoever ends the run on a host ends every process with that token. `die_with_parent`
-ties a process to its parent so that a SIGKILL of the launcher cannot leave the agent (and
-through it the workers) running.
+ties a worker to its agent, so that a SIGKILL of the agent cannot leave it training.
 
 psutil (a DeepSpeed dependency) reads the process table; prctl has no binding in the
 standard library, so the one call it needs goes through ctypes.

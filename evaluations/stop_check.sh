@@ -14,3 +14,9 @@ L=$!; sleep 45; kill -KILL $L; T0=$(date +%s)
 for i in $(seq 1 30); do n=$(ps aux | grep -c '[g]ridwright\.\(worker\|launchers\)' || true); [ "$n" = 0 ] && break; sleep 1; done
 echo "after kill -9 of the launcher: $n run processes left after $(( $(date +%s) - T0 )) s"
 tail -4 $OUT/kill.log
+# A SIGKILL of the launcher 3 s into a stop that saves: the stop must still finish its save.
+python3 launch.py $A checkpoint.save=$OUT/ck3 job_dir=$OUT/double > $OUT/double.log 2>&1 &
+L=$!; sleep 45; kill -TERM $L; sleep 3; kill -KILL $L; T0=$(date +%s)
+for i in $(seq 1 40); do n=$(ps aux | grep -c '[g]ridwright\.\(worker\|launchers\)' || true); [ "$n" = 0 ] && break; sleep 1; done
+echo "SIGTERM then SIGKILL 3 s later: $n run processes left after $(( $(date +%s) - T0 )) s; latest: $(cat $OUT/ck3/latest 2>/dev/null || echo none)"
+grep -E "stopped|checkpoint  saved" $OUT/double.log | tail -2

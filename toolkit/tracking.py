@@ -375,6 +375,10 @@ class MetricsLogger:
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
 
+    def logged_steps(self, key: str) -> set[int]:
+        """The steps at which the run holds a value of `key`."""
+        return {m.step for m in self.client.get_metric_history(self.run_id, key)}
+
 
 def close_run(cfg, run_id: str, status: str, job_dir: Path | None = None, error: str | None = None) -> None:
     """End a live run as finished, failed or killed; with `job_dir`, first log what the

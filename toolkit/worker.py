@@ -52,10 +52,10 @@ class Reporter:
         self.cfg, self.job_dir = cfg, job_dir
         self.metrics = StepMetrics(cfg, layout.world_size)
         self.history: list[dict] = []
-        # Steps an earlier attempt of this job recorded: MLflow keeps every value it was
-        # given, so a step it holds is not logged again (a resumed run repeats them exactly).
+        # Steps an earlier attempt of this job recorded (a restart resumes from a checkpoint
+        # and repeats the steps after it exactly).
         self.recorded_before = read_metrics(job_dir / METRICS_FILE)
-        self.logged_up_to = max((r["step"] for r in self.recorded_before), default=-1)
+        self.in_mlflow: set[int] = set()  # MLflow keeps every value: a step it holds is not logged again
         self.first_step: int | None = None
         self.mlflow = None
         # A launching process that opened the run (local launcher) also logs the results
@@ -68,6 +68,8 @@ class Reporter:
             if not run_id:
                 run_id, self.opened_run_here = tracking.open_run(cfg, job_dir, layout), True
             self.mlflow = tracking.MetricsLogger(cfg, run_id)
+            if self.recorded_before:  # asked of MLflow: the file may hold a step MLflow missed
+                self.in_mlflow = self.mlflow.logged_steps("loss")
 
     def on_step(self, step: int, raw: dict) -> None:
         if self.first_step is None:  # keep what earlier attempts recorded before this step
@@ -79,7 +81,7 @@ class Reporter:
         self.history.append(record)
         with open(self.job_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.mlflow is not None and step > self.logged_up_to:
+        if self.mlflow is not None and step not in self.in_mlflow:
             self.mlflow.log(step, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
             mfu = f" mfu {m['mfu']:.1%} ({self.metrics.record['flops_definition']})" if "mfu" in m else ""

@@ -13,16 +13,10 @@ import pytest
 from conftest import REPO
 from local_slurm import LocalSlurm, missing
 
+from gridwright.launchers.local import free_port
+
 STEPS = 200  # long enough (about 10 s of steps) for the requeue to land mid-run
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "checkpoint.save_interval=10"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan(tmp_path: Path, name: str, *overrides) -> Path:

@@ -160,11 +160,9 @@ def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(
 
 def torchrun_job(tmp_path: Path) -> tuple[Path, str]:
     """A one-node job emitted as a torchrun line: its logging rank opens the MLflow run."""
-    import socket
+    from gridwright.launchers.local import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result = subprocess.run(
         [sys.executable, str(REPO / "launch.py"), f"job_dir={tmp_path / 'job'}", "launcher=torchrun",
          "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}", "train.steps=2000", "train.warmup_steps=1",

@@ -1,7 +1,6 @@
 """A remote MLflow tracking server, reached through MLflow's usual MLFLOW_TRACKING_URI."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -10,11 +9,7 @@ import urllib.request
 import pytest
 from conftest import REPO
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gridwright.launchers.local import free_port
 
 
 @pytest.fixture

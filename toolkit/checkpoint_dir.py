@@ -89,10 +89,10 @@ def damage(path: str | os.PathLike) -> str | None:
     return None
 
 
-def intact_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """The complete, undamaged checkpoints under `root`, newest first."""
-    found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name)]
-    return [p for p in sorted(found, key=step_of, reverse=True) if damage(p) is None]
+def newest_intact(root: str | os.PathLike, besides: Path) -> Path | None:
+    """The newest complete, undamaged checkpoint under `root` other than `besides`."""
+    found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name) and p != besides]
+    return next((p for p in sorted(found, key=step_of, reverse=True) if damage(p) is None), None)
 
 
 def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False) -> Path | None:
@@ -104,11 +104,11 @@ def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False) -> Path 
     problem = damage(path)
     if problem is None:
         return path
-    older = [p for p in intact_checkpoints(root) if p != path]
-    if fallback and older:
-        return older[0]
-    hint = (f"The newest intact checkpoint is {older[0].name}: set checkpoint.fallback=true to resume from it."
-            if older else "No intact checkpoint is left beside it.")
+    older = newest_intact(root, besides=path)
+    if fallback and older is not None:
+        return older
+    hint = (f"The newest intact checkpoint is {older.name}: set checkpoint.fallback=true to resume from it."
+            if older is not None else "No intact checkpoint is left beside it.")
     raise CheckpointError(f"the latest checkpoint {path} is damaged: {problem}. {hint}")
 
 
@@ -123,10 +123,9 @@ def hold_writer_lock(root: str | os.PathLike):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
-        holder = handle.read().strip() or "unknown"
+        holder = _holder(handle.read())
         handle.close()
-        raise CheckpointError(f"{root} is being written by another run ({holder}); one run writes a "
-                              "checkpoint directory at a time. Fix: stop that run, or save elsewhere.") from None
+        raise CheckpointError(busy_message(root, holder)) from None
     handle.seek(0)
     handle.truncate()
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
@@ -134,8 +133,21 @@ def hold_writer_lock(root: str | os.PathLike):
     return handle
 
 
-def writer_of(root: str | os.PathLike) -> str | None:
-    """Who holds the root's writer lock now (`host H pid P`), or None when nobody does."""
+def _holder(text: str) -> str:
+    try:
+        rec = json.loads(text)
+        return f"host {rec['host']} pid {rec['pid']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that left no name"
+
+
+def busy_message(root: str | os.PathLike, holder: str) -> str:
+    return (f"{root} is being written by another run ({holder}); one run writes a checkpoint directory "
+            "at a time. Fix: stop that run, or save elsewhere.")
+
+
+def writer_problem(root: str | os.PathLike) -> str | None:
+    """Why this process may not write `root` now (a live run holds its writer lock), or None."""
     path = Path(root) / WRITER_LOCK
     if not path.is_file():
         return None
@@ -143,11 +155,7 @@ def writer_of(root: str | os.PathLike) -> str | None:
         try:
             fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            try:
-                rec = json.loads(handle.read())
-                return f"host {rec['host']} pid {rec['pid']}"
-            except (ValueError, KeyError):
-                return "a process that left no name"
+            return busy_message(root, _holder(handle.read()))
         fcntl.flock(handle, fcntl.LOCK_UN)
     return None
 

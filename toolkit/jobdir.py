@@ -138,6 +138,23 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def read_metrics(job_dir: Path) -> list[dict]:
+    """metrics.jsonl's step records, without a line cut short by a killed run."""
+    out = []
+    try:
+        lines = (Path(job_dir) / METRICS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            out.append(record)
+    return out
+
+
 def job_record(path: Path) -> dict:
     """The job's `job.json` (id and creation time); written now for a job directory that
     predates it, so that its id stays stable from here on."""

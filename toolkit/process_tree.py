@@ -6,7 +6,7 @@ it. So every process of a run carries a token in its environment (children inher
 and whoever ends the run on a host ends every process with that token. `die_with_parent`
 ties a worker to its agent, so that a SIGKILL of the agent cannot leave it training.
 
-psutil (a DeepSpeed dependency) reads the process table; prctl has no binding in the
+psutil reads the process table; prctl has no binding in the
 standard library, so the one call it needs goes through ctypes.
 """
 from __future__ import annotations

@@ -8,7 +8,6 @@ its end, `gridwright.sync`, a re-run of the job) closes a RUNNING run whose owne
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -43,7 +42,3 @@ def owner_gone(record: dict) -> bool | None:
         return True
     except (psutil.Error, KeyError, ValueError):
         return None
-
-
-def is_owner(record: dict) -> bool:
-    return record.get("host") == socket.gethostname() and record.get("pid") == os.getpid()

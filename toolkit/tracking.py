@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import subprocess
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
-                     job_record, load_job_config, read_json)
+                     job_record, load_job_config, read_json, read_metrics)
 from .layout import ParallelLayout
 from .profiling import TRACES_DIR
 from . import run_owner
@@ -257,17 +256,8 @@ def _step_metrics(job_dir: Path, start_ms: int):
     """metrics.jsonl as MLflow metrics; each step timed by the step times before it."""
     from mlflow.entities import Metric
 
-    path = job_dir / METRICS_FILE
-    if not path.is_file():
-        return []
     out, clock = [], float(start_ms)
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed run
-        if not isinstance(row, dict) or "step" not in row:
-            continue
+    for row in read_metrics(job_dir):
         clock += 1000 * float(row.get("step_time_s") or 0)
         out += [Metric(k, v, int(clock), int(row["step"])) for k, v in numeric_items(row) if k != "step"]
     return out

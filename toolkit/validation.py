@@ -66,7 +66,7 @@ def check_choices(cfg) -> list[str]:
         out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3.")
     if cfg.launcher.max_restarts < 0:
         out.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must be 0 or more.")
-    return out + check_counts(cfg)
+    return out
 
 
 def check_counts(cfg) -> list[str]:
@@ -321,7 +321,7 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from .checkpoint_dir import LATEST, describe_problem, writer_of
+    from .checkpoint_dir import LATEST, describe_problem, writer_problem
 
     ck, out = cfg.checkpoint, []
     if not (ck.save or ck.load):
@@ -335,10 +335,9 @@ def check_checkpoint(cfg) -> list[str]:
         if problem:
             out.append(problem)
     for root in {ck.save, ck.load} - {None}:
-        writer = writer_of(root) if cfg.launcher.name == "local" else None
-        if writer:
-            out.append(f"{root} is being written by another run ({writer}); one run writes a checkpoint "
-                       "directory at a time. Fix: stop that run, or save elsewhere.")
+        problem = writer_problem(root) if cfg.launcher.name == "local" else None
+        if problem:
+            out.append(problem)
     if ck.save and cfg.launcher.name == "local":
         from .atomic_io import unwritable_reason
 
@@ -470,9 +469,10 @@ def _divisors(n: int) -> list[int]:
 
 def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
     """Check everything; return the layout and placement, or raise ConfigError."""
-    problems = check_choices(cfg)
+    count_problems = check_counts(cfg)
+    problems = check_choices(cfg) + count_problems
     layout = ParallelLayout.from_config(cfg)
-    counts_ok = not check_counts(cfg)  # else the layout's arithmetic would divide by zero
+    counts_ok = not count_problems  # else the layout's arithmetic would divide by zero
     layout_problems = layout.problems() if counts_ok else []
     problems += layout_problems
     if counts_ok and not layout_problems:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from .atomic_io import write_text_atomic
 from .checkpoint_dir import hold_writer_lock, latest_checkpoint
-from .jobdir import METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json
+from .jobdir import (METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
+                     read_metrics)
 from .known_warnings import filter_known_warnings
 from .layout import ParallelLayout
 from .process_tree import die_with_parent, end_descendants
@@ -54,7 +55,7 @@ class Reporter:
         self.history: list[dict] = []
         # Steps an earlier attempt of this job recorded (a restart resumes from a checkpoint
         # and repeats the steps after it exactly).
-        self.recorded_before = read_metrics(job_dir / METRICS_FILE)
+        self.recorded_before = read_metrics(job_dir)
         self.in_mlflow: set[int] = set()  # MLflow keeps every value: a step it holds is not logged again
         self.first_step: int | None = None
         self.mlflow = None
@@ -145,23 +146,6 @@ class Reporter:
         tracking.close_run(self.cfg, self.mlflow.run_id, status, self.job_dir, error=error)
         self.opened_run_here = False
         print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl's records, without a last line cut short by a killed run."""
-    out = []
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return out
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and "step" in record:
-            out.append(record)
-    return out
 
 
 def has_run_before(job_dir: Path) -> bool:

@@ -128,6 +128,29 @@ def test_sigterm_saves_a_checkpoint_and_stops_and_the_same_launch_resumes(tmp_pa
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(300))
 
 
+def test_a_stop_save_survives_signals_to_every_process_of_the_run(tmp_path):
+    """Slurm's scancel and time limit signal every process of a job step, and more than
+    once (slurmstepd, then srun forwarding its own). The stop's checkpoint is written while
+    they keep coming, also to the helper processes the checkpoint writer starts."""
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", "train.steps=2000", f"checkpoint.save={ck}")
+    wait_for_step(tmp_path / "job", 3, proc)
+    agent = role(run_tree(proc), "gridwright.launchers.agent")
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            for p in agent.children(recursive=True):
+                p.send_signal(signal.SIGTERM)
+        except psutil.Error:  # one ended meanwhile, or the agent did
+            pass
+        time.sleep(0.05)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    last = [json.loads(l)["step"] for l in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert (ck / "latest").read_text().strip() == f"iter_{last + 1:07d}", out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
 def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(tmp_path):
     steps = 24
     reference = subprocess.run(

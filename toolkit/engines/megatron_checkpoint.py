@@ -11,6 +11,7 @@ per rank and restored only onto the same layout (they have no meaning on another
 from __future__ import annotations
 
 import os
+import queue
 import random
 import shutil
 from pathlib import Path
@@ -162,6 +163,22 @@ def _load_weights_into(module, state: dict, path) -> None:
         raise CheckpointError(f"{path}: weights do not match the model: {', '.join(wrong[:8])}")
 
 
+def _write_results_in_process() -> None:
+    """Give Megatron's checkpoint writer a results queue inside this process.
+
+    Its first save otherwise starts a `spawn` multiprocessing Manager to hold the queue: a
+    fresh interpreter with SIGTERM's default action. Slurm signals every process of a job
+    step, more than once, so on scancel the Manager died mid stop-save and the save failed
+    with EOFError (seen in CI). The queue only carries results between processes for
+    Megatron's async save; gridwright saves synchronously (the write runs in this process),
+    so a plain queue does. This sets a private of megatron-core (pinned at 0.16.1).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     from megatron.core import dist_checkpointing
@@ -185,6 +202,7 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
         "model_config": _model_config_dict(trainer.cfg.model),
         "distributed_optimizer": trainer.cfg.zero.stage >= 1,
     }
+    _write_results_in_process()
     dist_checkpointing.save(state, str(partial))
     dist.barrier()
     if dist.get_rank() == 0:

@@ -47,7 +47,18 @@ def cmdline(proc: psutil.Process) -> list[str]:
 
 
 def workers_of(tree) -> list[psutil.Process]:
-    return [p for p in tree if "gridwright.worker" in cmdline(p)]  # not their own children
+    """The worker processes, not their forked children (a checkpoint writer forked by a
+    worker carries the worker's command line)."""
+    named = [p for p in tree if "gridwright.worker" in cmdline(p)]
+    pids = {p.pid for p in named}
+    return [p for p in named if parent_pid(p) not in pids]
+
+
+def parent_pid(proc: psutil.Process) -> int | None:
+    try:
+        return proc.ppid()
+    except psutil.Error:
+        return None
 
 
 def running(proc: psutil.Process) -> bool:

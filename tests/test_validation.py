@@ -25,6 +25,10 @@ BROKEN = {
     "experts_vs_ep": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "parallel.ep=8", "model.num_experts=12"],
                       ["num_experts=12 is not divisible by parallel.ep=8"]),
     "ep_without_experts": (["parallel.ep=2"], ["parallel.ep=2", "no experts"]),
+    "deepspeed_save": (["engine=deepspeed", "checkpoint.save=/tmp/gridwright-nowhere"],
+                       ["checkpoint.save is wired for engine=megatron only"]),
+    "deepspeed_load_not_hf": (["engine=deepspeed", "checkpoint.load=/tmp/gridwright-nowhere"],
+                              ["engine=deepspeed starts from a Hugging Face folder", "config.json does not exist"]),
     "layers_vs_pp": (["parallel.pp=2", "model.num_layers=3"], ["num_layers=3 is not divisible by parallel.pp=2"]),
     "layers_vs_vpp": (["parallel.pp=2", "parallel.vpp=3"], ["2 layers per stage", "parallel.vpp=3"]),
     "vpp_without_pp": (["parallel.vpp=2"], ["parallel.vpp=2", "needs parallel.pp>1"]),
@@ -133,3 +137,12 @@ def test_existing_job_dir_is_refused_and_kept(run_launch, tmp_path):
     assert "already exists" in result.stderr
     assert (job / "keep.txt").read_text() == "earlier results"
     assert sorted(p.name for p in job.iterdir()) == ["keep.txt"]
+
+
+def test_deepspeed_initial_weights_must_have_the_models_shape(compose, tmp_path):
+    from gridwright.adapters.tiny_models import make_tiny_model
+
+    hf = make_tiny_model("llama", tmp_path / "hf")  # 4 layers, hidden 64: not tiny_llama's FFN size
+    with pytest.raises(ConfigError) as err:
+        validate(compose("engine=deepspeed", f"checkpoint.load={hf}"), for_launch=True)
+    assert f"checkpoint.load={hf} holds another model shape: model.ffn_hidden_size=176 (checkpoint: 96)" in str(err.value)

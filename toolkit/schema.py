@@ -177,11 +177,14 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Megatron-Core distributed checkpoints (engine=megatron)."""
+    """Megatron-Core distributed checkpoints (engine=megatron); engine=deepspeed only loads
+    its initial weights from a Hugging Face folder."""
 
     save: Optional[str] = None  # directory for checkpoints; None: no checkpoints
     save_interval: int = 0  # save every N steps; 0: only after the last step
-    load: Optional[str] = None  # resume from the newest complete checkpoint here
+    # resume from the newest complete checkpoint here (engine=deepspeed: a Hugging Face
+    # folder of this model's shape, the run's initial weights)
+    load: Optional[str] = None
     weights_only: bool = False  # load model weights only (fine-tuning, converted checkpoints)
     # A damaged latest checkpoint (a file missing or cut short) is refused before start;
     # true: resume from the newest intact one instead.

@@ -318,6 +318,22 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
     ]
 
 
+def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:
+    """engine=deepspeed starts from a Hugging Face folder's weights (checkpoint.load):
+    it must be one, of this model's shape."""
+    from gridwright.adapters.hf_architecture import UnsupportedModel, model_config_from_hf, read_hf_config
+    from .checkpoint_dir import model_differences
+
+    try:
+        recorded = model_config_from_hf(read_hf_config(hf_dir), model_cfg.name)
+    except UnsupportedModel as e:
+        return [f"checkpoint.load={hf_dir}: engine=deepspeed starts from a Hugging Face folder; {e}"]
+    diffs = model_differences(recorded, model_cfg)
+    if diffs:
+        return [f"checkpoint.load={hf_dir} holds another model shape: {', '.join(diffs)}."]
+    return []
+
+
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
@@ -327,7 +343,11 @@ def check_checkpoint(cfg) -> list[str]:
     if not (ck.save or ck.load):
         return out
     if cfg.engine.name != "megatron":
-        out.append("checkpoint.save/load are wired for engine=megatron only.")
+        if ck.save:
+            out.append("checkpoint.save is wired for engine=megatron only (DeepSpeed writes no checkpoints yet).")
+        if ck.load:
+            out += initial_hf_weights_problems(ck.load, cfg.model)
+        return out
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
     if ck.load and cfg.launcher.name == "local":

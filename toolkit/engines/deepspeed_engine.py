@@ -2,7 +2,11 @@
 
 DeepSpeed here means ZeRO stages 0-3 and CPU offload over plain data parallelism; model
 parallelism is Megatron-Core's job (validation refuses TP/PP/CP/EP on this engine). The
-data stream, loss definition and metrics are the Megatron engine's, so runs compare.
+data stream, loss definition and metrics are the Megatron engine's, and so are the
+optimizer settings, parameter groups and schedule (`optimizer_schedule`) and the rules
+that draw the initial weights: from the same weights (`checkpoint.load`, a Hugging Face
+folder) a dense model's loss follows the Megatron engine's step by step (tests).
+Mixtral's load-balancing loss is not added here yet, so MoE runs do not compare.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
 from ..step_metrics import timed_step, write_memory_record
+from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
 
 
 def hf_config(model):
@@ -47,21 +52,12 @@ def deepspeed_config(cfg, layout: ParallelLayout) -> dict:
         "wall_clock_breakdown": False,
     }
     if z.offload_optimizer:
-        # ZeRO-Offload refuses a client (torch) optimizer; DeepSpeed's own CPU Adam is used.
-        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": [0.9, 0.95],
-                                                         "weight_decay": t.weight_decay}}
+        # ZeRO-Offload refuses a client (torch) optimizer; DeepSpeed's own CPU Adam is used,
+        # with the Megatron engine's settings (the parameter groups carry weight decay).
+        opt = optimizer_config(cfg)
+        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": [opt.adam_beta1, opt.adam_beta2],
+                                                         "eps": opt.adam_eps, "weight_decay": t.weight_decay}}
     return out
-
-
-def _lr_at(cfg, step: int) -> float:
-    """Linear warm-up then cosine decay to min_lr, matching the Megatron engine's scheduler."""
-    import math
-
-    t = cfg.train
-    if t.warmup_steps and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    return t.min_lr + (t.lr - t.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def extensions_to_build(cfg) -> list[str]:
@@ -109,14 +105,21 @@ class DeepSpeedTrainer:
         deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
         torch.manual_seed(cfg.train.seed)
         model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
+        if cfg.checkpoint.load:  # a Hugging Face folder: the run's initial weights
+            load_hf_weights(model, cfg.checkpoint.load)
+        else:
+            initialise_as_megatron(model, cfg, layout)
         ds_cfg = deepspeed_config(cfg, layout)
+        opt = optimizer_config(cfg)
+        groups = param_groups(model, opt)
         optimizer = None
         if "optimizer" not in ds_cfg:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95),
-                                          weight_decay=cfg.train.weight_decay)
+            optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
+                                          eps=opt.adam_eps, weight_decay=opt.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_cfg, model_parameters=model.parameters()
+            model=model, optimizer=optimizer, config=ds_cfg, model_parameters=groups
         )
+        self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = ds_cfg["gradient_accumulation_steps"]
         self.data = SyntheticSource(cfg)
         self.is_logging_rank = dist.get_rank() == 0
@@ -130,23 +133,76 @@ class DeepSpeedTrainer:
         return {"rank": r, "tp": 0, "pp": 0, "dp": r, "cp": 0, "ep": 0, "etp": 0, "edp": r, "groups": groups}
 
     def train_step(self, step: int) -> dict:
-        lr = _lr_at(self.cfg, step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = torch.zeros(1, device=self.device)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
+        skipped_before = self.engine.skipped_steps
+        total, grad_norm = torch.zeros(1, device=self.device), None
         for batch in self.data.batches("train", step, dist.get_rank(), self.layout.dp, self.num_micro, self.device):
             logits = self.engine(input_ids=batch["tokens"]).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
             self.engine.backward(loss)
+            if self.cfg.zero.stage == 0 and self.engine.is_gradient_accumulation_boundary():
+                # Without ZeRO DeepSpeed clips but keeps no norm: take it from the reduced
+                # gradients before its step clips them (as the Megatron engine reports it).
+                grad_norm = torch.nn.utils.get_total_norm(
+                    [q.grad for q in self.engine.module.parameters() if q.grad is not None])
             self.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary
             total += loss.detach()
         total /= self.num_micro
         dist.all_reduce(total)
         total /= dist.get_world_size()
-        grad_norm = self.engine.get_global_grad_norm()
+        skipped = self.engine.skipped_steps > skipped_before  # fp16 overflow
+        if not skipped:
+            self.scheduler.step(increment=1)
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
         return {"loss": float(total.item()), "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "update_skipped": 0.0}
+                "update_skipped": 1.0 if skipped else 0.0}
+
+
+# Hugging Face names of the layers Megatron-Core initialises with its output-layer method
+# (scaled by 1/sqrt(2 x layers)): the projections that write into the residual stream.
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "down_proj", "w2.weight")
+
+
+def initialise_as_megatron(model, cfg, layout) -> None:
+    """Re-draw the weights with Megatron-Core's own initialisation rules (from the
+    TransformerConfig the Megatron engine builds), so a default run of either engine starts
+    from the same distribution: transformers draws N(0, 0.02) for every matrix, Megatron
+    scales the residual-output projections down, and the curves differ for it."""
+    from megatron.core.transformer import TransformerConfig
+
+    from .megatron_model import transformer_config_kwargs
+
+    config = TransformerConfig(**transformer_config_kwargs(cfg, layout))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                torch.nn.init.ones_(param) if "norm" in name else torch.nn.init.zeros_(param)
+            elif "embed_tokens" in name:
+                config.embedding_init_method(param)
+            elif name.endswith(_RESIDUAL_OUTPUTS):
+                config.output_layer_init_method(param)
+            else:
+                config.init_method(param)
+
+
+def load_hf_weights(model, hf_dir) -> None:
+    """Every tensor of a Hugging Face folder into `model`, which must hold exactly those
+    (validation has checked that the folder's config is this model's shape)."""
+    from gridwright.adapters.hf_files import SafetensorsSource
+
+    source = SafetensorsSource(hf_dir)
+    state = model.state_dict()
+    wanted = set(state) - {k for k in state if k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    missing, unexpected = sorted(wanted - source.names()), sorted(source.names() - set(state))
+    if missing or unexpected:
+        raise ValueError(f"{hf_dir} does not hold this model's weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name in sorted(wanted):
+            state[name].copy_(source.get(name))
 
 
 def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:

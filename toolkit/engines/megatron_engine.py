@@ -22,7 +22,8 @@ from . import megatron_checkpoint
 from .megatron_cpu_compat import cpu_compat
 from .megatron_fixes import apply_megatron_fixes
 from ..machine_probe import transformer_engine_available
-from .megatron_model import DTYPES, build_model_chunks, transformer_config_kwargs
+from .megatron_model import build_model_chunks, transformer_config_kwargs
+from .optimizer_schedule import lr_scheduler, optimizer_config
 
 
 def init_parallel(cfg, layout: ParallelLayout):
@@ -101,15 +102,14 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
 
         self.cfg, self.layout = cfg, layout
         self.on_cpu = cfg.cluster.device == "cpu"
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
-        t, p = cfg.train, cfg.precision
+        t = cfg.train
         torch.manual_seed(t.seed)
         model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu)
 
@@ -153,39 +153,8 @@ class MegatronTrainer:
             self.tcfg.grad_sync_func = None if single else [m.start_grad_sync for m in self.model]
         if e.overlap_param_gather and not single and not fsdp:
             self.tcfg.param_sync_func = [m.start_param_sync for m in self.model]
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            bf16=p.params_dtype == "bf16",
-            fp16=p.params_dtype == "fp16",
-            params_dtype=DTYPES[p.params_dtype],
-            clip_grad=t.grad_clip,
-            use_distributed_optimizer=use_dist_opt,
-            overlap_param_gather=e.overlap_param_gather or fsdp,
-            initial_loss_scale=2.0**16 if p.params_dtype == "fp16" else None,
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, self.model)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=t.lr,
-            min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_steps,
-            lr_decay_steps=t.steps,
-            lr_decay_style="cosine",
-            start_wd=t.weight_decay,
-            end_wd=t.weight_decay,
-            wd_incr_steps=t.steps,
-            wd_incr_style="constant",
-            # On resume the config's schedule wins (a run may be extended); the step
-            # count comes from the checkpoint.
-            use_checkpoint_opt_param_scheduler=False,
-            override_opt_param_scheduler=True,
-        )
+        self.optimizer = get_megatron_optimizer(optimizer_config(cfg), self.model)
+        self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
         self.data = make_source(cfg, data_cache_dir)
         self.dp_rank = ps.get_data_parallel_rank()

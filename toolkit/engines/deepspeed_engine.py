@@ -6,7 +6,7 @@ data stream, loss definition and metrics are the Megatron engine's, and so are t
 optimizer settings, parameter groups and schedule (`optimizer_schedule`) and the rules
 that draw the initial weights: from the same weights (`checkpoint.load`, a Hugging Face
 folder) a dense model's loss follows the Megatron engine's step by step (tests).
-Mixtral's load-balancing loss is not added here yet, so MoE runs do not compare.
+Mixtral adds Megatron-Core's load-balancing loss, computed by its own functions.
 """
 from __future__ import annotations
 
@@ -104,10 +104,10 @@ class DeepSpeedTrainer:
                   "once; cached by torch afterwards)", flush=True)
         deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
         torch.manual_seed(cfg.train.seed)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
         if cfg.checkpoint.load:  # a Hugging Face folder: the run's initial weights
-            load_hf_weights(model, cfg.checkpoint.load)
+            model = load_hf_model(cfg.checkpoint.load, hf_config(cfg.model))
         else:
+            model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
             initialise_as_megatron(model, cfg, layout)
         ds_cfg = deepspeed_config(cfg, layout)
         opt = optimizer_config(cfg)
@@ -121,6 +121,7 @@ class DeepSpeedTrainer:
         )
         self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = ds_cfg["gradient_accumulation_steps"]
+        self.moe = cfg.model.num_experts > 0
         self.data = SyntheticSource(cfg)
         self.is_logging_rank = dist.get_rank() == 0
 
@@ -132,14 +133,34 @@ class DeepSpeedTrainer:
         groups.update(dp=everyone, edp=everyone)
         return {"rank": r, "tp": 0, "pp": 0, "dp": r, "cp": 0, "ep": 0, "etp": 0, "edp": r, "groups": groups}
 
+    def _load_balancing_loss(self, out) -> torch.Tensor:
+        """Megatron-Core's switch load-balancing loss, layer by layer, from the router logits
+        transformers returns (its own `aux_loss` pools all layers before the product, a
+        different loss); Megatron-Core's functions compute it, with the model's coefficient."""
+        from megatron.core.transformer.moe.moe_utils import (
+            compute_routing_scores_for_aux_loss,
+            switch_load_balancing_loss_func,
+        )
+
+        m = self.cfg.model
+        total = 0.0
+        for logits in out.router_logits:
+            logits = logits.float().view(-1, m.num_experts)
+            routing_map, scores = compute_routing_scores_for_aux_loss(logits, m.moe_router_topk, "softmax")
+            total = total + switch_load_balancing_loss_func(
+                probs=scores, tokens_per_expert=routing_map.sum(dim=0), total_num_tokens=logits.shape[0],
+                topk=m.moe_router_topk, num_experts=m.num_experts, moe_aux_loss_coeff=m.moe_aux_loss_coeff)
+        return total
+
     def train_step(self, step: int) -> dict:
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         skipped_before = self.engine.skipped_steps
         total, grad_norm = torch.zeros(1, device=self.device), None
         for batch in self.data.batches("train", step, dist.get_rank(), self.layout.dp, self.num_micro, self.device):
-            logits = self.engine(input_ids=batch["tokens"]).logits
+            out = self.engine(input_ids=batch["tokens"], **({"output_router_logits": True} if self.moe else {}))
+            logits = out.logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
-            self.engine.backward(loss)
+            self.engine.backward(loss + self._load_balancing_loss(out) if self.moe else loss)
             if self.cfg.zero.stage == 0 and self.engine.is_gradient_accumulation_boundary():
                 # Without ZeRO DeepSpeed clips but keeps no norm: take it from the reduced
                 # gradients before its step clips them (as the Megatron engine reports it).
@@ -187,22 +208,18 @@ def initialise_as_megatron(model, cfg, layout) -> None:
                 config.init_method(param)
 
 
-def load_hf_weights(model, hf_dir) -> None:
-    """Every tensor of a Hugging Face folder into `model`, which must hold exactly those
-    (validation has checked that the folder's config is this model's shape)."""
-    from gridwright.adapters.hf_files import SafetensorsSource
+def load_hf_model(hf_dir, config):
+    """The model of `config` with every weight from a Hugging Face folder. transformers
+    reads it (and renames legacy layouts such as Mixtral's per-expert tensors); anything
+    missing, unexpected or of another shape is an error, not a random initialisation."""
+    import transformers
 
-    source = SafetensorsSource(hf_dir)
-    state = model.state_dict()
-    wanted = set(state) - {k for k in state if k.endswith("rotary_emb.inv_freq")}
-    if model.config.tie_word_embeddings:
-        wanted.discard("lm_head.weight")
-    missing, unexpected = sorted(wanted - source.names()), sorted(source.names() - set(state))
-    if missing or unexpected:
-        raise ValueError(f"{hf_dir} does not hold this model's weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name in sorted(wanted):
-            state[name].copy_(source.get(name))
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), config=config, dtype=torch.float32, output_loading_info=True)
+    wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if wrong:
+        raise ValueError(f"{hf_dir} does not hold this model's weights: {wrong}")
+    return model
 
 
 def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:

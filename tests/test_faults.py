@@ -80,19 +80,26 @@ def test_a_damaged_latest_checkpoint_is_refused_or_skipped(tmp_path):
 
 def test_one_writer_per_checkpoint_directory(tmp_path):
     ck = tmp_path / "ck"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from gridwright.checkpoint_dir import "
-                               f"hold_writer_lock; h = hold_writer_lock({str(ck)!r}); print('held', flush=True); "
-                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    # The holder forks a child that outlives it, as a killed worker's checkpoint helpers do.
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from gridwright.checkpoint_dir import "
+                               f"hold_writer_lock; h = hold_writer_lock({str(ck)!r}); child = os.fork(); "
+                               "child or time.sleep(600); print('held', child, flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    child = None
     try:
-        assert holder.stdout.readline().strip() == "held"
+        child = psutil.Process(int(holder.stdout.readline().split()[1]))
         err = one_error_line(launch(tmp_path, "tracking=off", "train.steps=2", f"checkpoint.save={ck}"))
         assert f"is being written by another run (host {os.uname().nodename} pid {holder.pid})" in err
     finally:
         holder.kill()
         holder.wait()
-    # A dead holder holds nothing: its lock file stays, the lock does not.
-    train(tmp_path, "after", "train.steps=2", f"checkpoint.save={ck}")
-    assert (ck / "latest").read_text().strip() == "iter_0000002"
+    # A dead holder holds nothing, though its child lives on: the lock file stays, the lock does not.
+    try:
+        assert child.is_running()
+        train(tmp_path, "after", "train.steps=2", f"checkpoint.save={ck}")
+        assert (ck / "latest").read_text().strip() == "iter_0000002"
+    finally:
+        child.kill()
 
 
 def test_stale_conversion_stages_are_removed_and_a_moved_aside_output_restored(tmp_path):

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 
 LATEST = "latest"
-WRITER_LOCK = ".writer.lock"  # flock held by the one run writing this root (see hold_writer_lock)
+WRITER_LOCK = ".writer.lock"  # POSIX lock held by the one run writing this root (see hold_writer_lock)
 _ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
@@ -114,14 +114,19 @@ def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False) -> Path 
 
 def hold_writer_lock(root: str | os.PathLike):
     """Take the root's writer lock for the life of this process (returns the open file,
-    which holds it). The kernel drops an flock with its holder, so a killed run never
-    holds a directory; the file says who holds it. Raises CheckpointError if held."""
+    which holds it). The kernel drops the lock with its holder, so a killed run never
+    holds a directory; the file says who holds it. Raises CheckpointError if held.
+
+    A POSIX record lock (lockf), not flock: an flock belongs to the open file, which
+    every forked child shares (the checkpoint writer's helpers, data loaders), so a
+    killed worker's orphaned children kept the directory locked against torchrun's
+    restart of the same job (measured). A record lock belongs to this process only."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     handle = open(root / WRITER_LOCK, "a+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # EACCES or EAGAIN: another process holds it
         handle.seek(0)
         holder = _holder(handle.read())
         handle.close()
@@ -153,10 +158,10 @@ def writer_problem(root: str | os.PathLike) -> str | None:
         return None
     with open(path) as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
             return busy_message(root, _holder(handle.read()))
-        fcntl.flock(handle, fcntl.LOCK_UN)
+        fcntl.lockf(handle, fcntl.LOCK_UN)
     return None
 
 

@@ -1,7 +1,10 @@
-"""Checkpoint conversion between Hugging Face and Megatron-Core, both directions.
+"""Checkpoint conversion between Hugging Face and Megatron-Core, both directions, and
+from the DeepSpeed engine's checkpoints to either.
 
     python -m gridwright.adapters.convert hf-to-megatron --hf DIR --out DIR [--tp 2 --pp 2 --ep 2] [--verify]
     python -m gridwright.adapters.convert megatron-to-hf --megatron DIR --out DIR [--verify]
+    python -m gridwright.adapters.convert deepspeed-to-hf --deepspeed DIR --out DIR [--verify]
+    python -m gridwright.adapters.convert deepspeed-to-megatron --deepspeed DIR --out DIR [--tp 2 ...] [--verify]
 
 Everything is checked before a byte is written: the architecture (refusals in
 hf_architecture), the target layout (gridwright's own validation rules), and that every
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_io import remove_stale_stages, staged_directory, unwritable_reason
+from ..atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
 from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint
 from . import weight_map as wm
 from .hf_architecture import (
@@ -36,7 +39,9 @@ from .hf_architecture import (
     hf_config_from_model,
     model_config_from_hf,
     read_hf_config,
+    transformers_config,
 )
+from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
 from .megatron_files import CheckpointReader, Slice, write_checkpoint
 
@@ -179,9 +184,11 @@ def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype 
 
 
 def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype=None, overwrite=False,
-                   before_publish=None) -> dict:
+                   before_publish=None, source: dict | None = None) -> dict:
     """Convert; returns the record written to `out_dir/conversion.json`. `before_publish(staged
-    output, record)` runs before the output is renamed into place: raising there leaves no output."""
+    output, record)` runs before the output is renamed into place: raising there leaves no output.
+    `source` replaces the record's direction and source (a conversion that passed through
+    a temporary Hugging Face folder names what it started from)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = read_hf_config(hf_dir)
     if name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", name):
@@ -218,6 +225,7 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
             "hf_tensors": len({n for p in pieces for n in p.hf_names}),
             "megatron_chunks": len(slices),
         }
+        record.update(source or {})
         hint = (f"python launch.py 'hydra.searchpath=[file://{out_dir.resolve()}]' model={model['name']} "
                 f"checkpoint.load={out_dir.resolve()}")
         common = {
@@ -372,6 +380,81 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
     return record
 
 
+def deepspeed_to_hf(ds_dir, out_dir, dtype=None, overwrite=False, max_shard_bytes=2 * 1024**3,
+                    before_publish=None) -> dict:
+    """A DeepSpeed engine checkpoint as a Hugging Face folder: its weights consolidated
+    (deepspeed_files), checked against the names and shapes transformers builds for the
+    recorded model, written with the config transformers writes for it."""
+    import transformers
+
+    try:
+        it = find_deepspeed_checkpoint(Path(ds_dir))
+    except NotADeepSpeedCheckpoint as e:
+        raise ConversionError(str(e)) from e
+    manifest = read_manifest(it)
+    model = manifest["common"]["model_config"]
+    config = transformers_config(model)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    start = time.perf_counter()
+    weights = consolidated_weights(it)
+    got = {k: tuple(v.shape) for k, v in weights.items()}
+    if got != expected:
+        wrong = sorted(set(got) ^ set(expected)) + sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+        raise ConversionError(f"{it} does not hold the weights of its recorded model ({len(wrong)} names or "
+                              f"shapes differ, e.g. {', '.join(wrong[:4])}).")
+    out_dtype = dtype or next(iter(weights.values())).dtype
+    out_dir = Path(out_dir)
+    with staged_directory(out_dir, overwrite) as tmp:
+        entries = [(name, got[name], out_dtype) for name in sorted(weights)]
+        writer = StreamingSafetensorsWriter(tmp, entries, max_shard_bytes)
+        for name, _, _ in entries:
+            writer.add(name, weights[name].to(out_dtype))
+        writer.finish()
+        (tmp / "config.json").write_text(
+            json.dumps(hf_config_from_model(model, DTYPE_NAMES[out_dtype]), indent=2, sort_keys=True) + "\n")
+        record = {
+            "direction": "deepspeed-to-hf",
+            "source": str(it.resolve()),
+            "source_settings": manifest["common"]["settings"],
+            "source_step": manifest["common"]["step"],
+            "model_config": model,
+            "dtype": [DTYPE_NAMES[out_dtype]],
+            "config_json": "written by transformers' config class",
+            "toolkit_version": toolkit_version(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "hf_tensors": len(entries),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        _finish(tmp, record, before_publish)
+    return record
+
+
+def deepspeed_to_megatron(ds_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype=None, overwrite=False,
+                          check_hf=None, before_publish=None) -> dict:
+    """DeepSpeed -> Hugging Face (a temporary folder, checked by `check_hf` like
+    deepspeed_to_hf's output) -> Megatron-Core, by the two converters that exist. The
+    record names the DeepSpeed checkpoint as the source."""
+    try:
+        it = find_deepspeed_checkpoint(Path(ds_dir))
+    except NotADeepSpeedCheckpoint as e:
+        raise ConversionError(str(e)) from e
+    model_name = name or read_manifest(it)["common"]["model_config"]["name"]
+    with scratch_directory(out_dir) as tmp:
+        hf_dir = tmp / "hf"
+        first = deepspeed_to_hf(it, hf_dir, before_publish=check_hf)
+
+        def check(staged: Path, record: dict):
+            out = {"deepspeed_to_hf": first.get("verify")}
+            if before_publish is not None:
+                out["hf_to_megatron"] = before_publish(staged, record, hf_dir)
+            return out
+
+        return hf_to_megatron(hf_dir, out_dir, tp, pp, vpp, ep, model_name, dtype, overwrite, before_publish=check,
+                              source={"direction": "deepspeed-to-megatron", "source": str(it.resolve()),
+                                      "source_step": first["source_step"], "via": "a temporary Hugging Face folder"})
+
+
 def _finish(staged: Path, record: dict, before_publish) -> None:
     """Run the check on the staged output (its result goes into the record), then write the record."""
     if before_publish is not None:
@@ -391,20 +474,26 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron-Core distributed checkpoint")
     a.add_argument("--hf", required=True, help="folder with config.json and (sharded) safetensors")
-    a.add_argument("--name", help="model name recorded in the checkpoint (default: the folder's name)")
-    for opt in ("--tp", "--pp", "--ep"):
-        a.add_argument(opt, type=int, default=1, help=f"target {opt[2:].upper()} (validated, recorded, verified)")
-    a.add_argument("--vpp", type=int, default=None, help="target virtual pipeline stages per rank")
     b = sub.add_parser("megatron-to-hf", help="Megatron-Core distributed checkpoint -> Hugging Face folder")
     b.add_argument("--megatron", required=True, help="checkpoint root (with 'latest') or one iter_N directory")
     b.add_argument("--model-config", help="model config YAML (a job's config.yaml or conf/model file), for "
                    "checkpoints that do not record theirs")
-    b.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file")
-    for p in (a, b):
+    c = sub.add_parser("deepspeed-to-hf", help="DeepSpeed engine checkpoint -> Hugging Face folder")
+    d = sub.add_parser("deepspeed-to-megatron", help="DeepSpeed engine checkpoint -> Megatron-Core checkpoint")
+    for p in (c, d):
+        p.add_argument("--deepspeed", required=True, help="checkpoint root (with 'latest') or one iter_N directory")
+    for p in (a, d):
+        p.add_argument("--name", help="model name recorded in the checkpoint (default: the source's)")
+        for opt in ("--tp", "--pp", "--ep"):
+            p.add_argument(opt, type=int, default=1, help=f"target {opt[2:].upper()} (validated, recorded, verified)")
+        p.add_argument("--vpp", type=int, default=None, help="target virtual pipeline stages per rank")
+    for p in (b, c):
+        p.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file")
+    for p in (a, b, c, d):
         p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
         p.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep the source's)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing output (atomically)")
-        p.add_argument("--verify", action="store_true", help="compare HF and Megatron-Core logits afterwards")
+        p.add_argument("--verify", action="store_true", help="compare the output's logits with the source's")
         p.add_argument("--tolerance", type=float, default=1e-4, help="--verify: largest allowed |logit diff| (fp32 compute; with --dtype, both sides' weights are rounded to it first)")
     b.add_argument("--tp", type=int, default=1, help="--verify: layout to load the Megatron-Core side at")
     b.add_argument("--pp", type=int, default=1)
@@ -414,11 +503,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _verifier(args, direction: str):
-    """The --verify check, run on the staged output before it is published."""
+    """The --verify check of a Hugging Face folder against a Megatron-Core checkpoint, run
+    on the staged output before it is published (`hf_dir` names the Hugging Face side
+    when it is neither the source nor the output)."""
     from .verify_logits import compare_logits
 
-    def verify(staged: Path, record: dict) -> dict:
-        hf_dir, megatron_dir = (Path(args.hf), staged) if direction == "hf-to-megatron" else (staged, Path(args.megatron))
+    def verify(staged: Path, record: dict, hf_dir: Path | None = None) -> dict:
+        if direction == "megatron-to-hf":
+            hf_dir, megatron_dir = staged, Path(args.megatron)
+        else:
+            hf_dir, megatron_dir = hf_dir or Path(args.hf), staged
         try:
             result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                                     model=record["model_config"], round_to=args.dtype)
@@ -438,10 +532,40 @@ def _verifier(args, direction: str):
     return verify
 
 
+def _digest_verifier(args):
+    """The --verify check of a Hugging Face folder made from a DeepSpeed checkpoint: its
+    logits (transformers, fp32 compute) against the digest the training engine took of
+    its own model when it saved (in the training precision)."""
+    from ..logits_digest import digest, digest_difference, sample_tokens
+    from .verify_logits import ROUNDING, hf_logits
+
+    def verify(staged: Path, record: dict) -> dict:
+        manifest = read_manifest(Path(record["source"]))
+        want = manifest["logits_digest"]
+        tokens = sample_tokens(want["vocab_size"], *want["tokens"])
+        diff = digest_difference(digest(hf_logits(staged, tokens, ROUNDING.get(args.dtype))), want)
+        precision = manifest["common"]["settings"]["params_dtype"]
+        ok = diff <= args.tolerance
+        print(f"verify: max |logit diff| {diff:.3e} against the DeepSpeed engine's own forward at save "
+              f"({precision}) ({'ok' if ok else 'FAILED'}, tolerance {args.tolerance:g})", flush=True)
+        if not ok:
+            hint = (f" The run trained in {precision}: its forward differs from an fp32 one by the rounding; "
+                    "raise --tolerance to that." if precision != "fp32" else "")
+            raise VerificationFailed(
+                f"the consolidated model's logits differ from the saved model's by {diff:.3e} (tolerance "
+                f"{args.tolerance:g}); nothing was written to {args.out}.{hint}")
+        return {"max_abs_diff": diff, "tolerance": args.tolerance,
+                "against": f"logits digest of the DeepSpeed engine's forward at save ({precision})"}
+
+    return verify
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    check = _verifier(args, args.direction) if args.verify else None
+    check = None
+    if args.verify:
+        check = _digest_verifier(args) if args.direction == "deepspeed-to-hf" else _verifier(args, args.direction)
     problem = unwritable_reason(args.out)
     if problem:
         print(f"error: cannot write --out {args.out}: {problem}.", file=sys.stderr)
@@ -452,9 +576,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.direction == "hf-to-megatron":
             record = hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.ep, args.name, dtype,
                                     args.overwrite, before_publish=check)
-        else:
+        elif args.direction == "megatron-to-hf":
             record = megatron_to_hf(args.megatron, args.out, args.model_config, dtype, args.overwrite,
                                     int(args.max_shard_gib * 1024**3), before_publish=check)
+        elif args.direction == "deepspeed-to-hf":
+            record = deepspeed_to_hf(args.deepspeed, args.out, dtype, args.overwrite,
+                                     int(args.max_shard_gib * 1024**3), before_publish=check)
+        else:
+            record = deepspeed_to_megatron(args.deepspeed, args.out, args.tp, args.pp, args.vpp, args.ep, args.name,
+                                           dtype, args.overwrite, check_hf=_digest_verifier(args) if check else None,
+                                           before_publish=check)
     except (ValueError, FileExistsError) as e:  # bad input (ConversionError, UnsupportedModel, BadCheckpoint...)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID

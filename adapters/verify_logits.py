@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..logits_digest import sample_tokens
+
 
 def round_weights(module: torch.nn.Module, dtype: torch.dtype | None) -> None:
     """Round every fp32 parameter to `dtype` and back (what a cast to `dtype` stores)."""
@@ -68,10 +70,6 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
         if proc.returncode != 0:
             raise RuntimeError(f"the Megatron-Core logits run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return torch.load(out_file)
-
-
-def sample_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 ROUNDING = {"bf16": torch.bfloat16, "fp16": torch.float16}

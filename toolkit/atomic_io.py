@@ -101,6 +101,20 @@ def remove_stale_stages(final: str | os.PathLike) -> list[Path]:
 
 
 @contextlib.contextmanager
+def scratch_directory(final: str | os.PathLike):
+    """Yield a temporary directory beside `final` (on its filesystem, where there is room
+    for what is being made), removed on exit; named like a stage, so that a killed
+    process's scratch is removed by the next `remove_stale_stages(final)`."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.{_stage_tag()}.", suffix=".partial"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def staged_directory(final: str | os.PathLike, overwrite: bool = False):
     """Yield a fresh temporary directory beside `final`; rename it to `final` on success.
 

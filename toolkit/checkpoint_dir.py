@@ -1,10 +1,12 @@
 """A checkpoint root on disk, read without torch: the `latest` pointer, iteration names,
 and what validation checks before a run loads it.
 
-    iter_0000010/     one complete Megatron-Core distributed checkpoint (step 10)
+    iter_0000010/     one complete checkpoint (step 10): Megatron-Core's distributed
+                      format, or DeepSpeed's files with gridwright's manifest beside them
     latest            the name of the newest complete one (replaced atomically)
 
-Saving and loading tensors is `engines.megatron_checkpoint`'s job; this module stays
+Saving and loading tensors is the engines' job (`engines.megatron_checkpoint`,
+`engines.deepspeed_checkpoint`); this module stays
 free of torch so that composing, validating and planning a run stay fast (only reading a
 checkpoint's `common.pt` imports torch, and only a local launch with `checkpoint.load`
 does that).
@@ -20,6 +22,9 @@ from pathlib import Path
 
 LATEST = "latest"
 WRITER_LOCK = ".writer.lock"  # POSIX lock held by the one run writing this root (see hold_writer_lock)
+# Written last into a DeepSpeed checkpoint: what the run was (common state) and every
+# file with its size, so a cut-short file is found before a load (DeepSpeed has no index).
+DEEPSPEED_MANIFEST = "gridwright_deepspeed.json"
 _ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
@@ -51,7 +56,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         return None
     name = pointer.read_text().strip()
     path = root / name
-    if not _ITERATION.fullmatch(name) or not (path / "metadata.json").exists():
+    if not _ITERATION.fullmatch(name) or not ((path / "metadata.json").exists()
+                                              or (path / DEEPSPEED_MANIFEST).exists()):
         raise CheckpointError(
             f"{pointer} names '{name}', which is not a complete checkpoint in {root}. "
             "Fix: point checkpoint.load at an intact checkpoint directory."
@@ -65,6 +71,8 @@ def damage(path: str | os.PathLike) -> str | None:
     long enough, and both metadata files read. A truncated shard fails here, before any
     process starts, instead of deep inside a load."""
     path = Path(path)
+    if (path / DEEPSPEED_MANIFEST).exists():
+        return _deepspeed_damage(path)
     try:
         json.loads((path / "metadata.json").read_text())
     except (OSError, ValueError) as e:
@@ -87,6 +95,31 @@ def damage(path: str | os.PathLike) -> str | None:
         if file.stat().st_size < size:
             return f"{file} is cut short ({file.stat().st_size} of {size} bytes)"
     return None
+
+
+def _deepspeed_damage(path: Path) -> str | None:
+    try:
+        files = json.loads((path / DEEPSPEED_MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{path / DEEPSPEED_MANIFEST} is unreadable ({type(e).__name__})"
+    for name, size in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, not the {size} it was written with"
+    return None
+
+
+def engine_of(path: str | os.PathLike) -> str:
+    """Which engine wrote one checkpoint directory: "deepspeed" or "megatron"."""
+    return "deepspeed" if (Path(path) / DEEPSPEED_MANIFEST).exists() else "megatron"
+
+
+def holds_checkpoints(root: str | os.PathLike) -> bool:
+    """Whether `root` is a checkpoint root (it has a `latest` pointer), not e.g. a Hugging
+    Face folder given as initial weights."""
+    return (Path(root) / LATEST).is_file()
 
 
 def newest_intact(root: str | os.PathLike, besides: Path) -> Path | None:
@@ -167,6 +200,8 @@ def writer_problem(root: str | os.PathLike) -> str | None:
 
 def read_common(path: str | os.PathLike) -> dict:
     """The common (non-sharded) state of one checkpoint directory: step, model, layout..."""
+    if engine_of(path) == "deepspeed":
+        return json.loads((Path(path) / DEEPSPEED_MANIFEST).read_text())["common"]
     import torch  # the one torch use here: common.pt is a torch pickle
 
     return torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=False)["common"]
@@ -183,8 +218,21 @@ def model_differences(recorded: dict, model_cfg) -> list[str]:
     return out
 
 
-def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False) -> str | None:
-    """Why `root` cannot be loaded (used by validation before anything starts)."""
+def deepspeed_settings(cfg, dp: int) -> dict:
+    """What a DeepSpeed checkpoint's optimizer state is shaped by, and so what a resume must
+    share with the run that saved it: DeepSpeed stores each data-parallel rank's partition
+    of the optimizer state under that rank's number, in the form of that ZeRO stage and
+    precision, and offloaded optimizers keep their own state layout."""
+    z = cfg.zero
+    return {"dp": dp, "zero_stage": z.stage, "params_dtype": cfg.precision.params_dtype,
+            "offload_optimizer": bool(z.offload_optimizer), "offload_params": bool(z.offload_params)}
+
+
+def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False, engine: str | None = None,
+                     settings: dict | None = None) -> str | None:
+    """Why `root` cannot be loaded (used by validation before anything starts): missing,
+    damaged, another model shape, written by the other `engine`, or (DeepSpeed) saved
+    with other `settings` (see deepspeed_settings)."""
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
@@ -198,12 +246,27 @@ def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = F
         return str(e)
     except Exception as e:  # an unreadable pointer, a truncated or foreign common.pt
         return f"checkpoint.load={root}: cannot read {path} ({e})."
+    written_by = engine_of(path)
+    if engine is not None and written_by != engine:
+        how = ("Fix: engine=deepspeed to resume it, or convert it first: python -m gridwright.adapters.convert "
+               f"deepspeed-to-megatron --deepspeed {root} --out DIR" if written_by == "deepspeed" else
+               "Fix: engine=megatron to resume it, or convert it to a Hugging Face folder (python -m "
+               f"gridwright.adapters.convert megatron-to-hf --megatron {root} --out DIR) and start from that")
+        return f"checkpoint.load={root} holds a {written_by} checkpoint, which engine={engine} cannot resume. {how}."
     recorded = common.get("model_config")
     if model_cfg is not None and recorded:
         diffs = model_differences(recorded, model_cfg)
         if diffs:
             hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
             return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
+    if settings is not None and written_by == "deepspeed":
+        saved = common.get("settings", {})
+        diffs = [f"{k}={v} (checkpoint: {saved.get(k)})" for k, v in settings.items() if saved.get(k) != v]
+        if diffs:
+            return (f"checkpoint.load={root} ({path.name}) was saved by DeepSpeed with other settings: "
+                    f"{', '.join(diffs)}. Its optimizer state is partitioned and shaped by them. Fix: resume "
+                    "with the saving run's data parallel size, ZeRO stage, precision and offload, or convert it "
+                    "to a Hugging Face folder (deepspeed-to-hf) and start a new run from that.")
     return None
 
 

@@ -319,15 +319,16 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
 
 
 def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:
-    """engine=deepspeed starts from a Hugging Face folder's weights (checkpoint.load):
-    it must be one, of this model's shape."""
+    """engine=deepspeed starts from a Hugging Face folder's weights (checkpoint.load, when
+    it is not a checkpoint root to resume): it must be one, of this model's shape."""
     from gridwright.adapters.hf_architecture import UnsupportedModel, model_config_from_hf, read_hf_config
     from .checkpoint_dir import model_differences
 
     try:
         recorded = model_config_from_hf(read_hf_config(hf_dir), model_cfg.name)
     except UnsupportedModel as e:
-        return [f"checkpoint.load={hf_dir}: engine=deepspeed starts from a Hugging Face folder; {e}"]
+        return [f"checkpoint.load={hf_dir}: engine=deepspeed resumes its own checkpoints (a root with '"
+                f"latest') or starts from a Hugging Face folder; {e}"]
     diffs = model_differences(recorded, model_cfg)
     if diffs:
         return [f"checkpoint.load={hf_dir} holds another model shape: {', '.join(diffs)}."]
@@ -337,21 +338,24 @@ def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from .checkpoint_dir import LATEST, describe_problem, writer_problem
+    from .checkpoint_dir import LATEST, deepspeed_settings, describe_problem, holds_checkpoints, writer_problem
 
     ck, out = cfg.checkpoint, []
     if not (ck.save or ck.load):
         return out
-    if cfg.engine.name != "megatron":
-        if ck.save:
-            out.append("checkpoint.save is wired for engine=megatron only (DeepSpeed writes no checkpoints yet).")
-        if ck.load:
-            out += initial_hf_weights_problems(ck.load, cfg.model)
-        return out
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
-    if ck.load and cfg.launcher.name == "local":
-        problem = describe_problem(ck.load, cfg.model, fallback=ck.fallback)
+    deepspeed = cfg.engine.name == "deepspeed"
+    if deepspeed and ck.load and not holds_checkpoints(ck.load):
+        out += initial_hf_weights_problems(ck.load, cfg.model)
+    elif deepspeed and ck.load and ck.weights_only:
+        out.append(f"checkpoint.weights_only=true: engine=deepspeed resumes its checkpoints whole. To start a new "
+                   f"run from the weights of {ck.load}, convert them to a Hugging Face folder (python -m "
+                   f"gridwright.adapters.convert deepspeed-to-hf --deepspeed {ck.load} --out DIR) and load that.")
+    elif ck.load and cfg.launcher.name == "local":
+        settings = deepspeed_settings(cfg, ParallelLayout.from_config(cfg).dp) if deepspeed else None
+        problem = describe_problem(ck.load, cfg.model, fallback=ck.fallback, engine=cfg.engine.name,
+                                   settings=settings)
         if problem:
             out.append(problem)
     for root in {ck.save, ck.load} - {None}:

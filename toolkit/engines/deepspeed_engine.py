@@ -7,6 +7,8 @@ optimizer settings, parameter groups and schedule (`optimizer_schedule`) and the
 that draw the initial weights: from the same weights (`checkpoint.load`, a Hugging Face
 folder) a dense model's loss follows the Megatron engine's step by step (tests).
 Mixtral adds Megatron-Core's load-balancing loss, computed by its own functions.
+Checkpoints (`checkpoint.save`, resume from `checkpoint.load` or a restarted job) are
+`deepspeed_checkpoint`'s.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..checkpoint_dir import holds_checkpoints
 from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
 from ..step_metrics import timed_step, write_memory_record
@@ -104,7 +107,7 @@ class DeepSpeedTrainer:
                   "once; cached by torch afterwards)", flush=True)
         deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
         torch.manual_seed(cfg.train.seed)
-        if cfg.checkpoint.load:  # a Hugging Face folder: the run's initial weights
+        if cfg.checkpoint.load and not holds_checkpoints(cfg.checkpoint.load):  # a Hugging Face folder: initial weights
             model = load_hf_model(cfg.checkpoint.load, hf_config(cfg.model))
         else:
             model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
@@ -225,18 +228,39 @@ def load_hf_model(hf_dir, config):
 def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
     Every rank leaves its peak memory in `job_dir`. A signal (`stop`) ends training after
-    the step every rank is at (this engine writes no checkpoints)."""
+    the step every rank is at, saving a checkpoint first when `checkpoint.save` is set."""
+    import time
+
+    from . import deepspeed_checkpoint
+
     trainer = DeepSpeedTrainer(cfg, layout)
+    ck = cfg.checkpoint
+    first_step = 0
+    if ck.load and holds_checkpoints(ck.load):
+        started = time.perf_counter()
+        first_step, path = deepspeed_checkpoint.load(trainer, ck.load, fallback=ck.fallback)
+        if dist.get_rank() == 0:
+            print(f"checkpoint  loaded {path} in {time.perf_counter() - started:.1f} s; resuming after step "
+                  f"{first_step}", flush=True)
     if on_start is not None:
         on_start(trainer)
     on_cuda = cfg.cluster.device == "cuda"
-    for step in range(cfg.train.steps):
+    for step in range(first_step, cfg.train.steps):
         metrics = timed_step(trainer.train_step, step, on_cuda)
         if trainer.is_logging_rank:
             on_step(step, metrics)
-        if stop is not None and stop.agreed(trainer.device):
+        done = step + 1
+        due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
+        signal = stop.agreed(trainer.device) if stop is not None else None
+        if ck.save and (due or signal):
+            started = time.perf_counter()
+            path = deepspeed_checkpoint.save(trainer, done, ck.save)
             if dist.get_rank() == 0:
-                print(f"stopped     by signal {stop.signal} after step {step}", flush=True)
+                print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
+        if signal:
+            if dist.get_rank() == 0:
+                print(f"stopped     by signal {signal} after step {step}"
+                      + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
             break
     if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
         write_memory_record(job_dir, dist.get_rank(), on_cuda)

@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoint_dir import LATEST, CheckpointError, checkpoint_to_load, iteration_name, model_differences
+from ..checkpoint_dir import (
+    LATEST,
+    CheckpointError,
+    checkpoint_to_load,
+    engine_of,
+    iteration_name,
+    model_differences,
+)
 
 
 def _layout_signature(layout) -> dict:
@@ -222,6 +229,9 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback:
     path = checkpoint_to_load(root, fallback)
     if path is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
+    if engine_of(path) != "megatron":
+        raise CheckpointError(f"{path} was written by the DeepSpeed engine; convert it (python -m "
+                              "gridwright.adapters.convert deepspeed-to-megatron) to load it here.")
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     recorded = common.get("model_config")
     if recorded:  # shape, not name, decides (a converted model may be renamed)

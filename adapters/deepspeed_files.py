@@ -1,0 +1,55 @@
+"""Reading a DeepSpeed engine checkpoint: its manifest and its consolidated weights.
+
+The DeepSpeed engine trains a Hugging Face model, so its weights already carry Hugging
+Face names; what a conversion has to do is gather them. Under ZeRO 1-3 the fp32 weights
+live in each data-parallel rank's optimizer partition, and DeepSpeed's own
+`zero_to_fp32` reassembles them (used rather than re-deriving its partition layout).
+Without ZeRO the module's state in `mp_rank_00_model_states.pt` is the whole model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..checkpoint_dir import DEEPSPEED_MANIFEST, CheckpointError, checkpoint_to_load, engine_of
+
+
+class NotADeepSpeedCheckpoint(ValueError):
+    pass
+
+
+def find_deepspeed_checkpoint(path: str | Path) -> Path:
+    """The iteration directory to convert: `path` itself (one `iter_N`), or the checkpoint
+    root's latest, refused when damaged or written by the Megatron engine."""
+    path = Path(path)
+    if (path / DEEPSPEED_MANIFEST).is_file():
+        return path
+    try:
+        it = checkpoint_to_load(path) if path.is_dir() else None
+    except CheckpointError as e:
+        raise NotADeepSpeedCheckpoint(str(e)) from e
+    if it is None:
+        raise NotADeepSpeedCheckpoint(f"{path} is not a DeepSpeed checkpoint of gridwright (no 'latest' and no "
+                                      f"{DEEPSPEED_MANIFEST}).")
+    if engine_of(it) != "deepspeed":
+        raise NotADeepSpeedCheckpoint(f"{it} was written by the Megatron engine: use megatron-to-hf.")
+    return it
+
+
+def read_manifest(iteration: Path) -> dict:
+    return json.loads((iteration / DEEPSPEED_MANIFEST).read_text())
+
+
+def consolidated_weights(iteration: Path) -> dict[str, torch.Tensor]:
+    """Every weight of the model saved in `iteration`, whole, by Hugging Face name (fp32
+    master weights where the optimizer keeps them)."""
+    files = read_manifest(iteration)["files"]
+    if any(name.endswith("optim_states.pt") for name in files):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(iteration.parent), tag=iteration.name))
+    # A local, trusted file that DeepSpeed pickles with non-tensor objects (its config).
+    state = torch.load(iteration / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return dict(state["module"])

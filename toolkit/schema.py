@@ -177,15 +177,15 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Megatron-Core distributed checkpoints (engine=megatron); engine=deepspeed only loads
-    its initial weights from a Hugging Face folder."""
+    """Checkpoints of the run's engine: Megatron-Core distributed checkpoints
+    (engine=megatron) or DeepSpeed's (engine=deepspeed), under the same iter_N/ + latest."""
 
     save: Optional[str] = None  # directory for checkpoints; None: no checkpoints
     save_interval: int = 0  # save every N steps; 0: only after the last step
-    # resume from the newest complete checkpoint here (engine=deepspeed: a Hugging Face
+    # resume from the newest complete checkpoint here (engine=deepspeed: or a Hugging Face
     # folder of this model's shape, the run's initial weights)
     load: Optional[str] = None
-    weights_only: bool = False  # load model weights only (fine-tuning, converted checkpoints)
+    weights_only: bool = False  # load model weights only (fine-tuning, converted checkpoints; engine=megatron)
     # A damaged latest checkpoint (a file missing or cut short) is refused before start;
     # true: resume from the newest intact one instead.
     fallback: bool = False

@@ -239,16 +239,9 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
                 "without sharding there is no parameter all-gather to overlap."
             )
     if e == "deepspeed":
-        for name in ("tp", "pp", "cp", "ep"):
-            if getattr(layout, name) > 1:
-                out.append(
-                    f"engine=deepspeed runs ZeRO data parallelism only; parallel.{name}={getattr(layout, name)} "
-                    "needs engine=megatron."
-                )
-        if layout.sp:
-            out.append("engine=deepspeed has no sequence parallelism here; use engine=megatron.")
+        out += deepspeed_layout_problems(cfg, layout)
         m = cfg.model
-        if m.qkv_bias or m.rope_scaling_factor is not None or m.family in ("mistral", "qwen2"):
+        if layout.tp == 1 and (m.qkv_bias or m.rope_scaling_factor is not None or m.family in ("mistral", "qwen2")):
             out.append(
                 "engine=deepspeed builds a plain Hugging Face Llama or Mixtral; QKV biases, rope scaling and "
                 f"the {m.family} family need engine=megatron."
@@ -316,6 +309,47 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
         for i, share in enumerate(shares[:3])
         if share > 0 and documents * share / total < 1
     ]
+
+
+def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
+    """What engine=deepspeed runs: ZeRO 0-3 data parallelism over a Hugging Face model, or
+    ZeRO-1/2 over Megatron-Core tensor parallelism (parallel.tp>1) through DeepSpeed's
+    mpu interface. Each refusal says where the limit comes from."""
+    out = []
+    for name in ("cp", "ep"):
+        if getattr(layout, name) > 1:
+            out.append(f"engine=deepspeed has no {name.upper()} here; parallel.{name}={getattr(layout, name)} "
+                       "needs engine=megatron.")
+    if layout.pp > 1:
+        out.append(
+            f"parallel.pp={layout.pp}: pipeline parallelism under DeepSpeed needs its own PipelineModule, which "
+            "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
+            "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
+            "Fix: engine=megatron.")
+    if layout.sp:
+        out.append("parallel.sp=true: under DeepSpeed the norm weights' gradients would need an all-reduce over TP "
+                   "inside DeepSpeed's own gradient hooks; not built. Fix: parallel.sp=false, or engine=megatron.")
+    if layout.tp > 1:
+        z = cfg.zero
+        if z.stage == 3:
+            out.append(
+                f"parallel.tp={layout.tp} with zero.stage=3: ZeRO-3 partitions whole parameters for data "
+                "parallelism and does not compose with Megatron-Core's tensor-parallel layers; DeepSpeed trains "
+                "tensor parallelism with ZeRO 0-2 only (deepspeedai/DeepSpeed#6523; its AutoTP documentation, "
+                "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
+        elif z.stage == 0:
+            out.append(f"parallel.tp={layout.tp} with zero.stage=0: engine=deepspeed runs tensor parallelism under "
+                       "ZeRO-1/2 (its optimizer takes the gradient norm over TP shards). Fix: zero.stage=1.")
+        if z.offload_optimizer or z.offload_params:
+            out.append(f"parallel.tp={layout.tp} with CPU offload is not built on engine=deepspeed. "
+                       "Fix: zero.offload_optimizer=false.")
+        if cfg.model.num_experts:
+            out.append(f"parallel.tp={layout.tp} with experts (model.num_experts={cfg.model.num_experts}) is not "
+                       "built on engine=deepspeed. Fix: engine=megatron.")
+        if cfg.checkpoint.save or cfg.checkpoint.load:
+            out.append(f"parallel.tp={layout.tp}: checkpoints of DeepSpeed over Megatron-Core TP are not built. "
+                       "Fix: drop checkpoint.save/load, or engine=megatron.")
+    return out
 
 
 def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:

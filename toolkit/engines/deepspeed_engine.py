@@ -12,7 +12,9 @@ Checkpoints (`checkpoint.save`, resume from `checkpoint.load` or a restarted job
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -101,10 +103,6 @@ class DeepSpeedTrainer:
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if not on_cpu:
             torch.cuda.set_device(self.device)
-        pending = extensions_to_build(cfg)
-        if pending and os.environ.get("RANK", "0") == "0":
-            print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
-                  "once; cached by torch afterwards)", flush=True)
         deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
         torch.manual_seed(cfg.train.seed)
         if cfg.checkpoint.load and not holds_checkpoints(cfg.checkpoint.load):  # a Hugging Face folder: initial weights
@@ -228,12 +226,35 @@ def load_hf_model(hf_dir, config):
 def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
     Every rank leaves its peak memory in `job_dir`. A signal (`stop`) ends training after
-    the step every rank is at, saving a checkpoint first when `checkpoint.save` is set."""
-    import time
+    the step every rank is at, saving a checkpoint first when `checkpoint.save` is set.
+    With `parallel.tp>1` the model is Megatron-Core's (deepspeed_tensor_parallel)."""
+    pending = extensions_to_build(cfg)
+    if pending and os.environ.get("RANK", "0") == "0":
+        print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
+              "once; cached by torch afterwards)", flush=True)
+    if layout.tp == 1:
+        _train(cfg, layout, DeepSpeedTrainer(cfg, layout), on_step, on_start, job_dir, stop)
+        dist.destroy_process_group()
+        return
+    # Megatron-Core's model under DeepSpeed: its CPU workarounds and fixes apply as in its engine.
+    from megatron.core import parallel_state as ps
 
+    from .deepspeed_tensor_parallel import DeepSpeedTensorParallelTrainer
+    from .megatron_cpu_compat import cpu_compat
+    from .megatron_fixes import apply_megatron_fixes
+
+    apply_megatron_fixes()
+    with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
+        trainer = DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout))
+        _train(cfg, layout, trainer, on_step, on_start, job_dir, stop)
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
+    """The training loop around either trainer: resume, steps, saves, an agreed stop."""
     from . import deepspeed_checkpoint
 
-    trainer = DeepSpeedTrainer(cfg, layout)
     ck = cfg.checkpoint
     first_step = 0
     if ck.load and holds_checkpoints(ck.load):
@@ -265,4 +286,3 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
     if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
         write_memory_record(job_dir, dist.get_rank(), on_cuda)
     dist.barrier()
-    dist.destroy_process_group()

@@ -1,0 +1,131 @@
+"""DeepSpeed ZeRO-1/2 over Megatron-Core tensor parallelism (`engine=deepspeed parallel.tp>1`).
+
+The model is the Megatron engine's GPTModel, built by the same code from the same seed and
+TransformerConfig, so it starts from the same weights. DeepSpeed sees Megatron-Core's
+process groups through its `mpu` interface (`MegatronCoreGroups`): it partitions the
+optimizer state over the data-parallel group, counts tensor-parallel weights once per
+shard when it takes the gradient norm (Megatron marks them `tensor_model_parallel`), and
+sizes the batch by the data-parallel world. Data, loss, optimizer settings, parameter
+groups and schedule are the Megatron engine's; the tests hold the losses to its run of
+the same layout.
+
+Not built, refused by validation with the reason: ZeRO-3 (DeepSpeed partitions whole
+parameters for data parallelism and does not compose with tensor-parallel layers),
+pipeline parallelism, sequence parallelism (its norm gradients need an all-reduce over
+TP inside DeepSpeed's gradient hooks), experts, and checkpoints of this combination.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..data_source import SyntheticSource
+from ..layout import ParallelLayout
+from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
+
+
+class MegatronCoreGroups:
+    """DeepSpeed's `mpu` interface, answered by Megatron-Core's parallel_state. Pipeline
+    parallelism is refused on this engine, so the model-parallel group is the TP group.
+    Written out rather than passing `parallel_state` itself: DeepSpeed probes the mpu for
+    optional functions (its own sequence parallelism) whose Megatron namesakes mean other
+    things."""
+
+    def _ps(self):
+        from megatron.core import parallel_state
+
+        return parallel_state
+
+    def get_model_parallel_group(self):
+        return self._ps().get_tensor_model_parallel_group()
+
+    def get_model_parallel_rank(self) -> int:
+        return self._ps().get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._ps().get_tensor_model_parallel_world_size()
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_data_parallel_group(self):
+        return self._ps().get_data_parallel_group()
+
+    def get_data_parallel_rank(self) -> int:
+        return self._ps().get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._ps().get_data_parallel_world_size()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+
+class DeepSpeedTensorParallelTrainer:
+    """One rank of a DeepSpeed ZeRO-1/2 run over a Megatron-Core TP model."""
+
+    def __init__(self, cfg, layout: ParallelLayout, ds_config: dict):
+        import deepspeed
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer import TransformerConfig
+
+        from .megatron_engine import init_parallel
+        from .megatron_model import build_model_chunks, transformer_config_kwargs
+
+        self.cfg, self.layout = cfg, layout
+        on_cpu = cfg.cluster.device == "cpu"
+        init_parallel(cfg, layout)
+        self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        torch.manual_seed(cfg.train.seed)
+        model_parallel_cuda_manual_seed(cfg.train.seed, inference_rng_tracker=on_cpu)
+        tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
+        (model,) = build_model_chunks(cfg, tcfg, False)
+        if not on_cpu:
+            model.cuda(torch.cuda.current_device())
+        opt = optimizer_config(cfg)
+        groups = param_groups(model, opt)
+        optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                      weight_decay=opt.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config, model_parameters=groups, mpu=MegatronCoreGroups())
+        self.scheduler = lr_scheduler(cfg, self.optimizer)
+        self.num_micro = ds_config["gradient_accumulation_steps"]
+        self.data = SyntheticSource(cfg)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.is_logging_rank = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+        self.spec_name = "local+sdpa"
+
+    def observed_coordinates(self) -> dict:
+        """Megatron-Core's groups, which DeepSpeed was handed and uses."""
+        from .megatron_engine import observed_coordinates
+
+        return observed_coordinates()
+
+    def train_step(self, step: int) -> dict:
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        skipped_before = self.engine.skipped_steps
+        total = torch.zeros(1, device=self.device)
+        for batch in self.data.batches("train", step, self.dp_rank, self.layout.dp, self.num_micro, self.device):
+            per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            mask = batch["loss_mask"].view(-1).float()
+            loss = torch.sum(per_token.float().view(-1) * mask) / mask.sum()
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach()
+        total /= self.num_micro
+        from megatron.core import parallel_state as ps
+
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        total /= self.layout.dp
+        skipped = self.engine.skipped_steps > skipped_before
+        if not skipped:
+            self.scheduler.step(increment=1)
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"loss": float(total.item()), "lr": lr,
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "update_skipped": 1.0 if skipped else 0.0}

@@ -127,12 +127,14 @@ class DeepSpeedTrainer:
         self.is_logging_rank = dist.get_rank() == 0
 
     def observed_coordinates(self) -> dict:
-        """Pure data parallelism: every other dimension is trivially this rank alone."""
-        r, world = dist.get_rank(), dist.get_world_size()
-        everyone = list(range(world))
+        """The data-parallel group DeepSpeed reduces gradients over (read from the engine);
+        every other dimension is this rank alone (pure data parallelism)."""
+        r = dist.get_rank()
+        dp = dist.get_process_group_ranks(self.engine.seq_data_parallel_group)
         groups = {k: [r] for k in ("tp", "pp", "cp", "ep", "etp")}
-        groups.update(dp=everyone, edp=everyone)
-        return {"rank": r, "tp": 0, "pp": 0, "dp": r, "cp": 0, "ep": 0, "etp": 0, "edp": r, "groups": groups}
+        groups.update(dp=dp, edp=dp)
+        return {"rank": r, "tp": 0, "pp": 0, "dp": dp.index(r), "cp": 0, "ep": 0, "etp": 0, "edp": dp.index(r),
+                "groups": groups}
 
     def _load_balancing_loss(self, out) -> torch.Tensor:
         """Megatron-Core's switch load-balancing loss, layer by layer, from the router logits

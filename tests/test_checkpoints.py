@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, launch
 
 
 def losses(job_dir: Path) -> dict[int, float]:
@@ -110,8 +110,32 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """The uninterrupted 1-process run of a model (6 steps, a checkpoint every 2) with its
+    `latest` pointed at step 2, made once per model and optimizer form and shared."""
+    made = {}
+
+    def get(model: str, distributed_optimizer: bool) -> tuple[Path, dict[int, float]]:
+        key = (model, distributed_optimizer)
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"one_{model}_{int(distributed_optimizer)}")
+            ck = root / "ck"
+            # the optimizer state's form follows the ZeRO stage
+            args = ["cluster.gpus_per_node=1", f"model={model}", "parallel.moe_token_dispatcher=allgather",
+                    *(["zero=stage1"] if distributed_optimizer else []), "tracking=off", "train.warmup_steps=1",
+                    "train.steps=6", f"checkpoint.save={ck}", "checkpoint.save_interval=2", f"job_dir={root / 'one'}"]
+            result = launch(args, cwd=root)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+            (ck / "latest").write_text("iter_0000002\n")  # resume from the middle of that run
+            made[key] = ck, losses(root / "one")
+        return made[key]
+
+    return get
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_resharded_resume_matches_single_process(run_launch, tmp_path, name):
+def test_resharded_resume_matches_single_process(run_launch, tmp_path, name, single_process_run):
     """Resumed on 2 processes from a 1-process checkpoint, a run follows the uninterrupted
     1-process run step for step.
 
@@ -121,13 +145,7 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name):
     the optimizer state must survive the resharding exactly.
     """
     model, layout = LAYOUTS[name]
-    ck = tmp_path / "ck"
-    single = ["cluster.gpus_per_node=1", f"model={model}", "parallel.moe_token_dispatcher=allgather"]
-    if "distopt" in name:
-        single.append("zero=stage1")  # the optimizer state's form follows the ZeRO stage
-    one = train(run_launch, tmp_path, "one", *single, "train.steps=6", f"checkpoint.save={ck}",
-                "checkpoint.save_interval=2")
-    (ck / "latest").write_text("iter_0000002\n")  # resume from the middle of that run
+    ck, one = single_process_run(model, "distopt" in name)
     two = train(run_launch, tmp_path, "two", *layout, "train.steps=6", f"checkpoint.load={ck}")
     assert sorted(two) == [2, 3, 4, 5]
     for step in two:

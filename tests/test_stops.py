@@ -99,18 +99,20 @@ def test_sigkill_leaves_no_process_and_a_closed_run(tmp_path, victim):
               "worker": workers_of(tree)[-1]}[victim]
     target.kill()
     started = time.time()
-    assert_all_gone(tree)
+    # Seconds when the machine is idle; the bound leaves room for a loaded 2-core machine
+    # running other tests (torchrun gives workers 30 s after its SIGTERM).
+    assert_all_gone(tree, within=40)
     proc.communicate()
     _, run = mlflow_run(tmp_path)
-    # The launcher or (when it is the one killed) the agent closes the run within the 10 s.
+    # The launcher or (when it is the one killed) the agent closes the run on its way out.
     expected = {"launcher": "KILLED", "agent": "KILLED", "worker": "FAILED"}[victim]
     assert run.info.status == expected, (run.info.status, run.data.tags)
-    assert time.time() - started < 15
+    assert time.time() - started < 45
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_and_the_same_launch_resumes(tmp_path):
     ck = tmp_path / "ck"
-    args = ("train.steps=300", f"checkpoint.save={ck}")
+    args = ("train.steps=100", f"checkpoint.save={ck}")
     proc = start(tmp_path, "job", *args)
     wait_for_step(tmp_path / "job", 3, proc)
     tree = run_tree(proc)
@@ -133,10 +135,10 @@ def test_sigterm_saves_a_checkpoint_and_stops_and_the_same_launch_resumes(tmp_pa
     assert f"rerun       {tmp_path / 'job'} holds this job already" in out
     assert f"checkpoint  loaded {ck / f'iter_{last + 1:07d}'} in " in out
     rows = [json.loads(l) for l in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(300))
+    assert [r["step"] for r in rows] == list(range(100))
     client, run = mlflow_run(tmp_path)  # the same run, reopened and finished
     assert run.info.status == "FINISHED"
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(300))
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(100))
 
 
 def test_a_stop_save_survives_signals_to_every_process_of_the_run(tmp_path):

@@ -1,4 +1,4 @@
-"""Training throughput, MFU and memory of the Megatron-Core engine on the local GPU(s).
+"""Training throughput, MFU and memory of both engines on the local GPU(s).
 
     python -m gridwright.evaluations.bench_gpu [--out DIR] [--only NAME ...]
 
@@ -29,6 +29,15 @@ CASES = {
     "bench_1b_dp2_overlap": (2, BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]),
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
     "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
+    # The same model under DeepSpeed (issue 11): a Hugging Face Llama drawn by Megatron-Core's
+    # init rules for ZeRO 1-3 and offload; Megatron-Core's GPTModel (the very weights of the
+    # Megatron engine's TP=2 run, same seed) for ZeRO-1 over TP=2.
+    "bench_1b_ds_zero1": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage1"]),
+    "bench_1b_ds_zero2": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage2"]),
+    "bench_1b_ds_zero3": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage3"]),
+    "bench_1b_tp2": (2, BENCH_2GPU + ["parallel.tp=2"]),
+    "bench_1b_ds_zero1_tp2": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage1", "parallel.tp=2"]),
+    "bench_1b_ds_zero2_offload": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage2_offload"]),
     "bench_1b_pp2": (2, BENCH_2GPU + ["parallel.pp=2"]),
     "bench_1b_pp2_vpp2": (2, BENCH_2GPU + ["parallel.pp=2", "parallel.vpp=2"]),
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"]),
@@ -69,7 +78,8 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, text=True, capture_output=True)
     print(proc.stdout[-2500:], proc.stderr[-4000:] if proc.returncode else "", flush=True)
-    row = {"case": name, "gpus": gpus, "exit_code": proc.returncode}
+    engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
+    row = {"case": name, "gpus": gpus, "engine": engine, "exit_code": proc.returncode, "job_dir": str(job_dir)}
     summary = job_dir / "summary.json"
     if proc.returncode == 0 and summary.exists():
         s = json.loads(summary.read_text())
@@ -99,16 +109,17 @@ def table(rows: list[dict], card: str) -> str:
     lines = [
         f"GPU: {card}",
         "",
-        "| case | GPUs | layout | tokens/s/GPU | MFU (megatron) | MFU (palm) | step s | max alloc GiB | loss first→last | spec | placement checked |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | engine | GPUs | layout | tokens/s/GPU | MFU (megatron) | MFU (palm) | step s | max alloc GiB | loss first→last | spec | placement checked |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) | | | | | | | | |")
+            lines.append(f"| {r['case']} | {r.get('engine', 'megatron')} | {r['gpus']} | failed (exit {r['exit_code']}) "
+                         "| | | | | | | | |")
             continue
         mfu = " | ".join(f"{r[k]:.1%}" if r.get(k) is not None else "n/a" for k in ("mfu", "mfu_palm"))
         lines.append(
-            f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
+            f"| {r['case']} | {r.get('engine', 'megatron')} | {r['gpus']} | {r['layout']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
             f"{r['step_time_s']:.3f} | {r['memory_max_allocated_gib']:.1f} | "
             f"{r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['layer_spec']} | {r['placement_verified']} |"
         )
@@ -121,10 +132,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--jobs", type=Path, help="keep the job directories here (to log them into MLflow later "
+                    "with python -m gridwright.sync); default: a temporary directory")
     args = ap.parse_args()
     n = torch.cuda.device_count()
     card = torch.cuda.get_device_name(0)
-    jobs = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+    jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     rows = []
     for name, (gpus, overrides) in CASES.items():
         if args.only and name not in args.only:

@@ -43,6 +43,31 @@ def run_launch(tmp_path):
     return _run
 
 
+def sigkill_after_save(cmd: list[str], cwd: Path, ck: Path, step: int, timeout: float = 300) -> int:
+    """Start `cmd` (a launch saving every step into `ck`), SIGKILL its whole process tree
+    at once when `ck/latest` reaches `step` (a save of the next step is then under way),
+    and return the step `latest` names afterwards."""
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    latest = ck / "latest"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and int(latest.read_text().strip()[5:]) >= step:
+            break
+        time.sleep(0.02)
+    # All at once: torchrun starts its workers in sessions of their own.
+    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in tree:
+        p.kill()
+    proc.wait()
+    psutil.wait_procs(tree, timeout=30)
+    return int(latest.read_text().strip()[5:])
+
+
 def only_job_dir(tmp_path: Path) -> Path:
     dirs = [p for p in (tmp_path / "jobs").glob("*/*") if p.is_dir()]
     assert len(dirs) == 1, dirs

@@ -1,13 +1,10 @@
 """Megatron-Core checkpoints: exact resume after SIGKILL, and resharding onto other layouts."""
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import REPO, launch
+from conftest import REPO, launch, sigkill_after_save
 
 
 def losses(job_dir: Path) -> dict[int, float]:
@@ -30,23 +27,9 @@ def test_sigkill_during_saves_then_resume_matches_uninterrupted(run_launch, tmp_
     job = tmp_path / "killed"
     cmd = [sys.executable, str(REPO / "launch.py"), "tracking=off", f"train.steps={steps}", "train.warmup_steps=1",
            f"checkpoint.save={ck}", "checkpoint.save_interval=1", f"job_dir={job}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
     # Saving every step, most of the run's time is inside a save: kill it there.
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        latest = ck / "latest"
-        if latest.exists() and int(latest.read_text().strip()[5:]) >= 5:
-            break
-        time.sleep(0.02)
-    # SIGKILL the whole tree at once: torchrun starts its workers in sessions of their own.
-    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    for p in tree:
-        p.kill()
-    proc.wait()
-    psutil.wait_procs(tree, timeout=30)
+    saved = sigkill_after_save(cmd, tmp_path, ck, 5, timeout=180)
     assert not (job / "summary.json").exists(), "the run finished before it could be killed"
-    saved = int((ck / "latest").read_text().strip()[5:])
     assert 5 <= saved < steps
 
     job = tmp_path / "resumed"

@@ -3,12 +3,10 @@ Megatron-Core checked against the training engine's own logits, and every refusa
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import REPO, launch
+from conftest import REPO, launch, sigkill_after_save
 
 DS = ["engine=deepspeed", "tracking=off", "train.warmup_steps=1"]
 
@@ -42,21 +40,8 @@ def test_sigkill_during_saves_then_resume_matches_uninterrupted(tmp_path):
     ck = tmp_path / "ck"
     cmd = [sys.executable, str(REPO / "launch.py"), *DS, "zero=stage2", f"train.steps={steps}",
            f"checkpoint.save={ck}", "checkpoint.save_interval=1", f"job_dir={tmp_path / 'killed'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        latest = ck / "latest"
-        if latest.exists() and int(latest.read_text().strip()[5:]) >= 5:
-            break
-        time.sleep(0.02)
-    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    for p in tree:
-        p.kill()
-    proc.wait()
-    psutil.wait_procs(tree, timeout=30)
+    saved = sigkill_after_save(cmd, tmp_path, ck, 5)
     assert not (tmp_path / "killed" / "summary.json").exists(), "the run finished before it could be killed"
-    saved = int((ck / "latest").read_text().strip()[5:])
     assert 5 <= saved < steps
 
     result = run(tmp_path, "zero=stage2", f"train.steps={steps}", f"checkpoint.load={ck}", f"checkpoint.save={ck}",

@@ -4,8 +4,8 @@ On disk, under `checkpoint.save`, as `checkpoint_dir` describes: `iter_N/` direc
 and a `latest` pointer, so one root never mixes engines' conventions. DeepSpeed writes
 its own files (`save_checkpoint`, tag `iter_N.partial`, without its own `latest`); once
 every rank has written, rank 0 adds the manifest (common state and each file's size),
-renames the directory to `iter_N/` and only then points `latest` at it. A process killed
-mid-save leaves the previous checkpoint as the one that loads.
+and the directory is published as `checkpoint_publish` does for both engines (a process
+killed mid-save leaves the previous checkpoint as the one that loads).
 
 The learning-rate schedule is Megatron-Core's `OptimizerParamScheduler`, owned by the
 engine rather than by DeepSpeed, so its state travels in the manifest. The data stream
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -31,7 +30,6 @@ from omegaconf import OmegaConf
 from ..atomic_io import write_text_atomic
 from ..checkpoint_dir import (
     DEEPSPEED_MANIFEST,
-    LATEST,
     CheckpointError,
     checkpoint_to_load,
     deepspeed_settings,
@@ -41,6 +39,7 @@ from ..checkpoint_dir import (
     read_common,
 )
 from ..logits_digest import digest, sample_tokens
+from .checkpoint_publish import staged_iteration
 
 
 def logits_digest(trainer) -> dict:
@@ -60,41 +59,30 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     import deepspeed
 
-    root = Path(root)
-    final = root / iteration_name(step)
-    partial = root / (iteration_name(step) + ".partial")
-    if dist.get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save that was killed
-            shutil.rmtree(partial)
-    dist.barrier()
-    fingerprint = logits_digest(trainer)
-    trainer.engine.save_checkpoint(str(root), tag=partial.name, save_latest=False)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        cfg = trainer.cfg
-        manifest = {
-            "format": "deepspeed",
-            "deepspeed_version": deepspeed.__version__,
-            "common": {
-                "engine": "deepspeed",
-                "step": step,
-                "scheduler": trainer.scheduler.state_dict(),
-                "settings": deepspeed_settings(cfg, trainer.layout.dp),
-                "seed": cfg.train.seed,
-                "model": cfg.model.name,
-                "model_config": OmegaConf.to_container(cfg.model, resolve=True),
-            },
-            "logits_digest": fingerprint,
-            "files": {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()},
-        }
-        write_text_atomic(partial / DEEPSPEED_MANIFEST, json.dumps(manifest, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        write_text_atomic(root / LATEST, final.name + "\n")
-    dist.barrier()
-    return final
+    with staged_iteration(root, step) as partial:
+        fingerprint = logits_digest(trainer)
+        trainer.engine.save_checkpoint(str(partial.parent), tag=partial.name, save_latest=False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            cfg = trainer.cfg
+            manifest = {
+                "format": "deepspeed",
+                "deepspeed_version": deepspeed.__version__,
+                "common": {
+                    "engine": "deepspeed",
+                    "step": step,
+                    "scheduler": trainer.scheduler.state_dict(),
+                    "settings": deepspeed_settings(cfg, trainer.layout.dp),
+                    "seed": cfg.train.seed,
+                    "model": cfg.model.name,
+                    "model_config": OmegaConf.to_container(cfg.model, resolve=True),
+                },
+                "logits_digest": fingerprint,
+                "files": {str(f.relative_to(partial)): f.stat().st_size
+                          for f in sorted(partial.rglob("*")) if f.is_file()},
+            }
+            write_text_atomic(partial / DEEPSPEED_MANIFEST, json.dumps(manifest, indent=1))
+    return Path(root) / iteration_name(step)
 
 
 def load(trainer, root: str | os.PathLike, fallback: bool = False) -> tuple[int, Path]:

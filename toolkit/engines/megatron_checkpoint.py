@@ -1,9 +1,8 @@
 """Checkpoints of the Megatron-Core engine: distributed (torch_dist), resumable, reshardable.
 
 On disk, under `checkpoint.save`, as `checkpoint_dir` describes: `iter_N/` directories
-and a `latest` pointer. A save writes `iter_N.partial/`, renames it to `iter_N/` once
-every rank has finished, and only then points `latest` at it, so a process killed
-mid-save leaves the previous checkpoint as the one that loads. Model and optimizer are sharded state dicts (the
+and a `latest` pointer, published as `checkpoint_publish` does for both engines (a
+process killed mid-save leaves the previous checkpoint as the one that loads). Model and optimizer are sharded state dicts (the
 distributed optimizer in its fully reshardable form), so a checkpoint loads onto another
 TP/PP/EP layout. Step, scheduler, layout and seed are common state; RNG states are saved
 per rank and restored only onto the same layout (they have no meaning on another).
@@ -13,22 +12,20 @@ from __future__ import annotations
 import os
 import queue
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..atomic_io import write_text_atomic
 from ..checkpoint_dir import (
-    LATEST,
     CheckpointError,
     checkpoint_to_load,
     engine_of,
     iteration_name,
     model_differences,
 )
+from .checkpoint_publish import staged_iteration
 
 
 def _layout_signature(layout) -> dict:
@@ -190,35 +187,20 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     from megatron.core import dist_checkpointing
 
-    root = Path(root)
-    final = root / iteration_name(step)
-    partial = root / (iteration_name(step) + ".partial")
-    if dist.get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save that was killed
-            shutil.rmtree(partial)
-        partial.mkdir()
-    dist.barrier()
-    state = _sharded_state(trainer, is_loading=False, with_rng=True)
-    state["common"] = {
-        "step": step,
-        "scheduler": trainer.scheduler.state_dict(),
-        "layout": _layout_signature(trainer.layout),
-        "seed": trainer.cfg.train.seed,
-        "model": trainer.cfg.model.name,
-        "model_config": _model_config_dict(trainer.cfg.model),
-        "distributed_optimizer": trainer.cfg.zero.stage >= 1,
-    }
-    _write_results_in_process()
-    dist_checkpointing.save(state, str(partial))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        write_text_atomic(root / LATEST, final.name + "\n")
-    dist.barrier()
-    return final
+    with staged_iteration(root, step) as partial:
+        state = _sharded_state(trainer, is_loading=False, with_rng=True)
+        state["common"] = {
+            "step": step,
+            "scheduler": trainer.scheduler.state_dict(),
+            "layout": _layout_signature(trainer.layout),
+            "seed": trainer.cfg.train.seed,
+            "model": trainer.cfg.model.name,
+            "model_config": _model_config_dict(trainer.cfg.model),
+            "distributed_optimizer": trainer.cfg.zero.stage >= 1,
+        }
+        _write_results_in_process()
+        dist_checkpointing.save(state, str(partial))
+    return Path(root) / iteration_name(step)
 
 
 def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback: bool = False) -> tuple[int, Path]:

@@ -64,7 +64,12 @@ def _loopback_rendezvous(params):
         def next_rendezvous(self) -> RendezvousInfo:
             listener = socket.socket()
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, first_port if self._round == 0 else 0))
+            # The launcher's free port may have been taken since it looked (by another
+            # process's ephemeral port): then any port; the workers learn it from here.
+            try:
+                listener.bind((host, first_port if self._round == 0 else 0))
+            except OSError:
+                listener.bind((host, 0))
             listener.listen(1024)
             port = listener.getsockname()[1]
             store = dist.TCPStore(host, port, 1, True, timeout, multi_tenant=True, master_listen_fd=listener.fileno())

@@ -82,21 +82,25 @@ TP2_DP2 = ["parallel.tp=2", "cluster.gpus_per_node=4", "cluster.nvlink_domain_si
            "train.steps=10"]
 
 
-@pytest.fixture(scope="module")
-def megatron_tp2_dp2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp2")
-    result = launch([*TP2_DP2, "zero=stage1", f"job_dir={root / 'megatron'}"], cwd=root, timeout=600)
+@pytest.fixture(scope="module", params=[False, True], ids=["tp2", "tp2_sp"])
+def megatron_tp2_dp2(request, tmp_path_factory):
+    sp = request.param
+    root = tmp_path_factory.mktemp("tp2_sp" if sp else "tp2")
+    layout = [*TP2_DP2, f"parallel.sp={str(sp).lower()}"]
+    result = launch([*layout, "zero=stage1", f"job_dir={root / 'megatron'}"], cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return root, losses_and_norms(root / "megatron")
+    return root, layout, losses_and_norms(root / "megatron")
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_over_megatron_tensor_parallelism_follows_the_megatron_engine(megatron_tp2_dp2, stage):
-    """TP=2 x DP=2: DeepSpeed partitions the optimizer over Megatron-Core's DP group and
-    takes the gradient norm over its TP shards (the mpu adapter) - same losses and norms."""
-    root, (want_loss, want_norm) = megatron_tp2_dp2
+    """TP=2 x DP=2, without and with sequence parallelism: DeepSpeed partitions the
+    optimizer over Megatron-Core's DP group, takes the gradient norm over its TP shards (the
+    mpu adapter) and, with SP, sees the norm weights' gradients summed over TP - same losses
+    and norms as the Megatron engine."""
+    root, layout, (want_loss, want_norm) = megatron_tp2_dp2
     job = root / f"deepspeed{stage}"
-    result = launch([*TP2_DP2, "engine=deepspeed", f"zero=stage{stage}", f"job_dir={job}"], cwd=root, timeout=600)
+    result = launch([*layout, "engine=deepspeed", f"zero=stage{stage}", f"job_dir={job}"], cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     loss, norm = losses_and_norms(job)
     assert want_loss[-1] < want_loss[0] - 0.4
@@ -107,3 +111,4 @@ def test_zero_over_megatron_tensor_parallelism_follows_the_megatron_engine(megat
     ranks = [json.loads((job / "ranks" / f"rank_{r:05d}.json").read_text()) for r in range(4)]
     assert [r["groups"]["tp"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # Megatron-Core's groups
     assert [r["groups"]["dp"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+

@@ -33,8 +33,6 @@ BROKEN = {
     "deepspeed_tp_zero0": (["engine=deepspeed", "zero=stage0", "parallel.tp=2"], ["Fix: zero.stage=1"]),
     "deepspeed_pp": (["engine=deepspeed", "zero=stage2", "parallel.pp=2"],
                      ["ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", "Megatron-DeepSpeed#474"]),
-    "deepspeed_sp": (["engine=deepspeed", "zero=stage1", "parallel.tp=2", "parallel.sp=true"],
-                     ["parallel.sp=true: under DeepSpeed", "all-reduce over TP"]),
     "deepspeed_tp_checkpoints": (["engine=deepspeed", "zero=stage1", "parallel.tp=2", "checkpoint.save=/tmp/gw-x"],
                                  ["checkpoints of DeepSpeed over Megatron-Core TP are not built"]),
     "layers_vs_pp": (["parallel.pp=2", "model.num_layers=3"], ["num_layers=3 is not divisible by parallel.pp=2"]),

@@ -313,8 +313,8 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
 
 def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
     """What engine=deepspeed runs: ZeRO 0-3 data parallelism over a Hugging Face model, or
-    ZeRO-1/2 over Megatron-Core tensor parallelism (parallel.tp>1) through DeepSpeed's
-    mpu interface. Each refusal says where the limit comes from."""
+    ZeRO-1/2 over Megatron-Core tensor parallelism (parallel.tp>1, with or without SP)
+    through DeepSpeed's mpu interface. Each refusal says where the limit comes from."""
     out = []
     for name in ("cp", "ep"):
         if getattr(layout, name) > 1:
@@ -326,9 +326,6 @@ def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
             "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
             "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
             "Fix: engine=megatron.")
-    if layout.sp:
-        out.append("parallel.sp=true: under DeepSpeed the norm weights' gradients would need an all-reduce over TP "
-                   "inside DeepSpeed's own gradient hooks; not built. Fix: parallel.sp=false, or engine=megatron.")
     if layout.tp > 1:
         z = cfg.zero
         if z.stage == 3:

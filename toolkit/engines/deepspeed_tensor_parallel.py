@@ -9,10 +9,16 @@ sizes the batch by the data-parallel world. Data, loss, optimizer settings, para
 groups and schedule are the Megatron engine's; the tests hold the losses to its run of
 the same layout.
 
+Sequence parallelism (`parallel.sp=true`) works as in Megatron-Core: each TP rank's norm
+weights see only its slice of the sequence, so their gradients are partial sums. Megatron's
+`finalize_model_grads` all-reduces them over TP after the backward; DeepSpeed reduces and
+partitions gradients inside the backward (its post-accumulate hooks), so here a hook on
+each such parameter sums its gradient over TP before it is accumulated
+(`sum_partial_gradients_over_tp`).
+
 Not built, refused by validation with the reason: ZeRO-3 (DeepSpeed partitions whole
 parameters for data parallelism and does not compose with tensor-parallel layers),
-pipeline parallelism, sequence parallelism (its norm gradients need an all-reduce over
-TP inside DeepSpeed's gradient hooks), experts, and checkpoints of this combination.
+pipeline parallelism, experts, and checkpoints of this combination.
 """
 from __future__ import annotations
 
@@ -65,6 +71,39 @@ class MegatronCoreGroups:
         return 0
 
 
+def sum_partial_gradients_over_tp(model, config) -> list:
+    """Make the gradients Megatron-Core leaves partial on each TP rank whole, as its
+    `finalize_model_grads` does: summed for sequence-parallel norm weights (and q/k norms),
+    averaged for parameters marked `average_gradients_across_tp_domain`. Each is done by a
+    hook that runs before the gradient is accumulated, so DeepSpeed's own hooks, which
+    reduce over DP right after accumulation, see the whole gradient. Returns the handles."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return []
+
+    def reducer(op):
+        def hook(grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, op=op, group=group)
+            return grad
+        return hook
+
+    handles = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            # AVG is not a gloo reduction: sum, then divide.
+            size = dist.get_world_size(group)
+            handles.append(param.register_hook(lambda g, h=reducer(dist.ReduceOp.SUM): h(g) / size))
+        elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+            handles.append(param.register_hook(reducer(dist.ReduceOp.SUM)))
+    return handles
+
+
 class DeepSpeedTensorParallelTrainer:
     """One rank of a DeepSpeed ZeRO-1/2 run over a Megatron-Core TP model."""
 
@@ -87,6 +126,7 @@ class DeepSpeedTensorParallelTrainer:
         (model,) = build_model_chunks(cfg, tcfg, False)
         if not on_cpu:
             model.cuda(torch.cuda.current_device())
+        self._tp_gradient_hooks = sum_partial_gradients_over_tp(model, tcfg)
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)
         optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,

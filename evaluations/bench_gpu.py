@@ -37,6 +37,7 @@ CASES = {
     "bench_1b_ds_zero3": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage3"]),
     "bench_1b_tp2": (2, BENCH_2GPU + ["parallel.tp=2"]),
     "bench_1b_ds_zero1_tp2": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage1", "parallel.tp=2"]),
+    "bench_1b_ds_zero1_tp2_sp": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage1", "parallel.tp=2", "parallel.sp=true"]),
     "bench_1b_ds_zero2_offload": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage2_offload"]),
     "bench_1b_pp2": (2, BENCH_2GPU + ["parallel.pp=2"]),
     "bench_1b_pp2_vpp2": (2, BENCH_2GPU + ["parallel.pp=2", "parallel.vpp=2"]),
@@ -70,6 +71,44 @@ def device_overrides() -> list[str]:
     props = torch.cuda.get_device_properties(0)
     return [f"cluster.gpu.name={props.name.replace(' ', '_')}",
             f"cluster.gpu.memory_gib={props.total_memory / 2**30:.1f}"]
+
+
+def write_same_weights(jobs: Path, experiment: list[str] = BENCH_2GPU) -> dict[str, Path]:
+    """One draw of the bench model by Megatron-Core's initialisation rules, saved as a
+    Hugging Face folder and converted (verified) to a Megatron-Core checkpoint, so that every
+    engine starts from the very same weights: {"hf": folder, "megatron": checkpoint}."""
+    import torch
+    import transformers
+
+    from gridwright.compose import compose_config
+    from gridwright.engines.deepspeed_engine import hf_config, initialise_as_megatron
+    from gridwright.layout import ParallelLayout
+
+    cfg = compose_config(experiment)
+    hf, megatron = jobs / "same_weights_hf", jobs / "same_weights_megatron"
+    if hf.is_dir() and megatron.is_dir():  # an earlier invocation with the same --jobs drew them
+        print(f"same weights: reusing {hf} and {megatron}", flush=True)
+        return {"hf": hf, "megatron": megatron}
+    torch.manual_seed(cfg.train.seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
+    initialise_as_megatron(model, cfg, ParallelLayout.from_config(cfg))
+    model.save_pretrained(hf)
+    subprocess.run([sys.executable, "-m", "gridwright.adapters.convert", "hf-to-megatron", "--hf", str(hf),
+                    "--out", str(megatron), "--name", cfg.model.name, "--verify"], check=True)
+    return {"hf": hf, "megatron": megatron}
+
+
+def start_from(overrides: list[str], weights: dict[str, Path] | None) -> list[str]:
+    """The `checkpoint.load` that starts a case from the shared weights. DeepSpeed over TP
+    loads no checkpoint: it builds the Megatron engine's GPTModel from the same seed, so it
+    starts where the Megatron engine's TP run of the same seed does."""
+    if weights is None:
+        return []
+    if "engine=deepspeed" not in overrides:
+        return [f"checkpoint.load={weights['megatron']}"]
+    if not any(o.startswith("parallel.tp=") for o in overrides):
+        return [f"checkpoint.load={weights['hf']}"]
+    return []
 
 
 def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str]) -> dict:
@@ -132,12 +171,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     ap.add_argument("--only", nargs="*")
+    ap.add_argument("--same-weights", action="store_true",
+                    help="start every case from one draw of the weights (Megatron and DeepSpeed engines alike; "
+                    "DeepSpeed over TP starts from the same seed as the Megatron engine's TP run)")
     ap.add_argument("--jobs", type=Path, help="keep the job directories here (to log them into MLflow later "
                     "with python -m gridwright.sync); default: a temporary directory")
     args = ap.parse_args()
     n = torch.cuda.device_count()
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+    weights = write_same_weights(jobs) if args.same_weights else None
     rows = []
     for name, (gpus, overrides) in CASES.items():
         if args.only and name not in args.only:
@@ -145,7 +188,7 @@ def main() -> None:
         if gpus > n:
             print(f"skip {name}: needs {gpus} GPUs, {n} present")
             continue
-        rows.append(run_case(name, gpus, overrides, jobs, device_overrides()))
+        rows.append(run_case(name, gpus, overrides + start_from(overrides, weights), jobs, device_overrides()))
     text = table(rows, f"{n} x {card}, torch {torch.__version__}")
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -244,6 +244,11 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback:
     for i, m in enumerate(trainer.model):
         _load_weights_into(m.module, loaded[f"model{i}"], path)
     if weights_only:
+        # In bf16/fp16 the optimizer keeps fp32 main copies of the weights, drawn when it was
+        # built; its first step writes them back over the model. Without this refresh a run
+        # "from" a converted checkpoint trained from its own random draw after step 0 (seen on
+        # 2 x H200: the Megatron engine parted from DeepSpeed started on the same weights).
+        trainer.optimizer.reload_model_params()
         return 0, path
     trainer.optimizer.load_state_dict(_match_optimizer_structure(loaded["optimizer"], target_optimizer, path))
     trainer.scheduler.load_state_dict(common["scheduler"])

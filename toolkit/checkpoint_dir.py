@@ -228,6 +228,20 @@ def deepspeed_settings(cfg, dp: int) -> dict:
             "offload_optimizer": bool(z.offload_optimizer), "offload_params": bool(z.offload_params)}
 
 
+def deepspeed_resharding(saved: dict, wanted: dict) -> str:
+    """How a DeepSpeed checkpoint saved with `saved` settings resumes under `wanted` ones:
+    "same" (load as saved), "universal" (only the data-parallel size differs, ZeRO 1-3
+    without offload: DeepSpeed's universal checkpoint re-partitions the optimizer state), or
+    "refuse" (another stage, precision or offload shapes the state differently; ZeRO-0
+    and offloaded optimizers were not verified through the universal form)."""
+    diffs = {k for k in wanted if saved.get(k) != wanted[k]}
+    if not diffs:
+        return "same"
+    if diffs == {"dp"} and wanted["zero_stage"] >= 1 and not (wanted["offload_optimizer"] or wanted["offload_params"]):
+        return "universal"
+    return "refuse"
+
+
 def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False, engine: str | None = None,
                      settings: dict | None = None) -> str | None:
     """Why `root` cannot be loaded (used by validation before anything starts): missing,
@@ -261,12 +275,13 @@ def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = F
             return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
     if settings is not None and written_by == "deepspeed":
         saved = common.get("settings", {})
-        diffs = [f"{k}={v} (checkpoint: {saved.get(k)})" for k, v in settings.items() if saved.get(k) != v]
-        if diffs:
+        if deepspeed_resharding(saved, settings) == "refuse":
+            diffs = [f"{k}={v} (checkpoint: {saved.get(k)})" for k, v in settings.items() if saved.get(k) != v]
             return (f"checkpoint.load={root} ({path.name}) was saved by DeepSpeed with other settings: "
-                    f"{', '.join(diffs)}. Its optimizer state is partitioned and shaped by them. Fix: resume "
-                    "with the saving run's data parallel size, ZeRO stage, precision and offload, or convert it "
-                    "to a Hugging Face folder (deepspeed-to-hf) and start a new run from that.")
+                    f"{', '.join(diffs)}. Its optimizer state is partitioned and shaped by them; only the data "
+                    "parallel size may change (ZeRO 1-3 without offload, through DeepSpeed's universal checkpoint). "
+                    "Fix: resume with the saving run's ZeRO stage, precision and offload, or convert it to a "
+                    "Hugging Face folder (deepspeed-to-hf) and start a new run from that.")
     return None
 
 

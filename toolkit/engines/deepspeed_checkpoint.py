@@ -11,7 +11,10 @@ The learning-rate schedule is Megatron-Core's `OptimizerParamScheduler`, owned b
 engine rather than by DeepSpeed, so its state travels in the manifest. The data stream
 is a function of the step, so the step restores it. The optimizer state is partitioned
 by data-parallel rank and shaped by the ZeRO stage, precision and offload: a resume must
-share them (`checkpoint_dir.deepspeed_settings`; validation refuses otherwise).
+share the stage, precision and offload (`checkpoint_dir.deepspeed_settings`; validation
+refuses otherwise). The data-parallel size may change under ZeRO 1-3 without offload:
+rank 0 converts the checkpoint to DeepSpeed's universal form once (`ds_to_universal`, into
+the job directory; the saved checkpoint is not touched) and every rank loads that.
 
 The manifest also keeps a digest of the saved model's logits, from the engine's own
 forward (`logits_digest`): conversion to Hugging Face consolidates the partitions and
@@ -21,19 +24,24 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ..atomic_io import write_text_atomic
+from ..atomic_io import scratch_directory, write_text_atomic
 from ..checkpoint_dir import (
     DEEPSPEED_MANIFEST,
     CheckpointError,
     checkpoint_to_load,
+    deepspeed_resharding,
     deepspeed_settings,
     engine_of,
+    holds_checkpoints,
     iteration_name,
     model_differences,
     read_common,
@@ -61,7 +69,17 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
 
     with staged_iteration(root, step) as partial:
         fingerprint = logits_digest(trainer)
-        trainer.engine.save_checkpoint(str(partial.parent), tag=partial.name, save_latest=False)
+        # DeepSpeed's universal converter wants this entry (for a model without tensor
+        # parallelism the version is all it reads); it lets a resume change the DP size.
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        trainer.engine.save_checkpoint(
+            str(partial.parent), tag=partial.name, save_latest=False,
+            client_state={UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
         dist.barrier()
         if dist.get_rank() == 0:
             cfg = trainer.cfg
@@ -85,7 +103,56 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     return Path(root) / iteration_name(step)
 
 
-def load(trainer, root: str | os.PathLike, fallback: bool = False) -> tuple[int, Path]:
+def resumes_through_universal(cfg, dp: int) -> bool:
+    """Whether this run resumes a checkpoint saved at another data-parallel size (DeepSpeed
+    must then be configured, before it starts, to load the universal form)."""
+    ck = cfg.checkpoint
+    if not (ck.load and holds_checkpoints(ck.load)):
+        return False
+    path = checkpoint_to_load(ck.load, ck.fallback)
+    if path is None or engine_of(path) != "deepspeed":
+        return False
+    return deepspeed_resharding(read_common(path)["settings"], deepspeed_settings(cfg, dp)) == "universal"
+
+
+def universal_copy(path: Path, job_dir: Path) -> Path:
+    """`path` in DeepSpeed's universal form, made once by rank 0 under `job_dir` (which every
+    rank must see, as it sees the checkpoint) and published by a rename: a conversion killed
+    halfway leaves nothing that loads. One extract and one merge worker: no process pool."""
+    final = job_dir / "universal_checkpoints" / path.name
+    if dist.get_rank() == 0 and not final.is_dir():
+        with scratch_directory(final) as tmp:
+            converted = subprocess.run(
+                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path),
+                 "--output_folder", str(tmp / final.name), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                capture_output=True, text=True)
+            if converted.returncode != 0:
+                raise CheckpointError(f"DeepSpeed's universal conversion of {path} failed: {converted.stderr[-2000:]}")
+            os.replace(tmp / final.name, final)
+        print(f"checkpoint  {path} saved at another data-parallel size: converted to DeepSpeed's universal "
+              f"form in {final}", flush=True)
+    dist.barrier()
+    return final
+
+
+def _restore_zero3_param_groups(trainer, universal: Path) -> None:
+    """Two defects of DeepSpeed 0.19.8's ZeRO-3 universal load
+    (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), measured: it copies the first
+    saved parameter group's settings into every group (so the no-decay group decays: our
+    `wd_mult` 0 becomes 1), and gives every group one shared `step` tensor, which Adam then
+    advances once per group. Put each group's settings back and give each its own step."""
+    saved = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)
+    groups = saved["optimizer_state_dict"]["param_groups"]
+    optimizer = trainer.engine.optimizer
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    for state in optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def load(trainer, root: str | os.PathLike, fallback: bool = False, job_dir: str | os.PathLike | None = None
+         ) -> tuple[int, Path]:
     """Restore model, optimizer, schedule and step from the newest checkpoint under `root`
     (with `fallback`, the newest intact one); returns the step to continue from and the
     checkpoint loaded. Validation has refused what this would refuse; a job launched
@@ -102,10 +169,18 @@ def load(trainer, root: str | os.PathLike, fallback: bool = False) -> tuple[int,
     if diffs:
         raise CheckpointError(f"{path} was written for another model shape: {', '.join(diffs)}")
     wanted = deepspeed_settings(cfg, trainer.layout.dp)
-    if common["settings"] != wanted:
+    how = deepspeed_resharding(common["settings"], wanted)
+    if how == "refuse":
         raise CheckpointError(f"{path} was saved with DeepSpeed settings {common['settings']}; this run has {wanted}")
-    loaded, _ = trainer.engine.load_checkpoint(str(path.parent), tag=path.name, load_lr_scheduler_states=False)
+    source = path
+    if how == "universal":
+        if not trainer.engine.load_universal_checkpoint():
+            raise CheckpointError(f"{path} needs the universal load, which this engine was not configured for")
+        source = universal_copy(path, Path(job_dir) if job_dir else Path(tempfile.mkdtemp(prefix="gw_universal_")))
+    loaded, _ = trainer.engine.load_checkpoint(str(source.parent), tag=source.name, load_lr_scheduler_states=False)
     if loaded is None:
-        raise CheckpointError(f"DeepSpeed could not load {path}")
+        raise CheckpointError(f"DeepSpeed could not load {source}")
+    if how == "universal" and cfg.zero.stage == 3:
+        _restore_zero3_param_groups(trainer, source)
     trainer.scheduler.load_state_dict(common["scheduler"])
     return int(common["step"]), path

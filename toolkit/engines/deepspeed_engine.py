@@ -37,8 +37,9 @@ def hf_config(model):
     return transformers_config(OmegaConf.to_container(model, resolve=True))
 
 
-def deepspeed_config(cfg, layout: ParallelLayout) -> dict:
-    """DeepSpeed's JSON config for this experiment."""
+def deepspeed_config(cfg, layout: ParallelLayout, load_universal: bool = False) -> dict:
+    """DeepSpeed's JSON config for this experiment; `load_universal` when it resumes a
+    checkpoint saved at another data-parallel size (deepspeed_checkpoint)."""
     t, z, p = cfg.train, cfg.zero, cfg.precision
     zero = {"stage": z.stage, "overlap_comm": cfg.cluster.device == "cuda"}
     if z.offload_optimizer:
@@ -56,6 +57,8 @@ def deepspeed_config(cfg, layout: ParallelLayout) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if load_universal:
+        out["checkpoint"] = {"load_universal": True}
     if z.offload_optimizer:
         # ZeRO-Offload refuses a client (torch) optimizer; DeepSpeed's own CPU Adam is used,
         # with the Megatron engine's settings (the parameter groups carry weight decay).
@@ -110,7 +113,9 @@ class DeepSpeedTrainer:
         else:
             model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
             initialise_as_megatron(model, cfg, layout)
-        ds_cfg = deepspeed_config(cfg, layout)
+        from .deepspeed_checkpoint import resumes_through_universal
+
+        ds_cfg = deepspeed_config(cfg, layout, load_universal=resumes_through_universal(cfg, layout.dp))
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)
         optimizer = None
@@ -261,7 +266,7 @@ def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
     first_step = 0
     if ck.load and holds_checkpoints(ck.load):
         started = time.perf_counter()
-        first_step, path = deepspeed_checkpoint.load(trainer, ck.load, fallback=ck.fallback)
+        first_step, path = deepspeed_checkpoint.load(trainer, ck.load, fallback=ck.fallback, job_dir=job_dir)
         if dist.get_rank() == 0:
             print(f"checkpoint  loaded {path} in {time.perf_counter() - started:.1f} s; resuming after step "
                   f"{first_step}", flush=True)

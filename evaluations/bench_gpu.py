@@ -99,16 +99,14 @@ def write_same_weights(jobs: Path, experiment: list[str] = BENCH_2GPU) -> dict[s
 
 
 def start_from(overrides: list[str], weights: dict[str, Path] | None) -> list[str]:
-    """The `checkpoint.load` that starts a case from the shared weights. DeepSpeed over TP
-    loads no checkpoint: it builds the Megatron engine's GPTModel from the same seed, so it
-    starts where the Megatron engine's TP run of the same seed does."""
-    if weights is None:
-        return []
-    if "engine=deepspeed" not in overrides:
-        return [f"checkpoint.load={weights['megatron']}"]
-    if not any(o.startswith("parallel.tp=") for o in overrides):
+    """The `checkpoint.load` that starts a case from the shared weights: the Hugging Face
+    folder for DeepSpeed's Hugging Face model, the converted checkpoint for Megatron-Core's
+    GPTModel (both engines)."""
+    if weights is None or "zero=stage3" in overrides and "engine=deepspeed" not in overrides:
+        return []  # Megatron-FSDP loads no checkpoint in gridwright yet: it starts from the seed
+    if "engine=deepspeed" in overrides and not any(o.startswith("parallel.tp=") for o in overrides):
         return [f"checkpoint.load={weights['hf']}"]
-    return []
+    return [f"checkpoint.load={weights['megatron']}"]
 
 
 def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str]) -> dict:

@@ -99,3 +99,17 @@ def test_zero_over_megatron_tensor_parallelism_follows_the_megatron_engine(megat
     assert [r["groups"]["tp"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # Megatron-Core's groups
     assert [r["groups"]["dp"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
+
+
+def test_zero_over_tensor_parallelism_starts_from_a_converted_checkpoint(start):
+    """DeepSpeed over Megatron-Core TP=2 (+SP) x DP=2 from the converted checkpoint's weights
+    follows the Megatron engine's DP=2 run from the same checkpoint."""
+    root, hf, common, (want_loss, want_norm) = start
+    job = root / "deepspeed_tp2_sp"
+    result = launch([*common, "engine=deepspeed", "zero=stage1", "parallel.tp=2", "parallel.sp=true",
+                     "cluster.gpus_per_node=4", "cluster.nvlink_domain_size=4", f"checkpoint.load={root / 'ck'}",
+                     f"job_dir={job}"], cwd=root, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    loss, norm = losses_and_norms(job)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert norm == pytest.approx(want_norm, rel=1e-5)

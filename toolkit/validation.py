@@ -326,6 +326,13 @@ def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
             "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
             "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
             "Fix: engine=megatron.")
+    if cfg.zero.stage == 0 and cfg.precision.params_dtype != "fp32":
+        out.append(
+            f"zero.stage=0 with precision.params_dtype={cfg.precision.params_dtype}: without ZeRO DeepSpeed wraps the "
+            "optimizer in its FP16_UnfusedOptimizer, which takes one Adam step with zero gradients at start (the "
+            "first real update is then about 0.7 x lr, and weight decay is applied once) and, in fp16, divides "
+            "gradients by a loss scale the loss was never multiplied by (measured with deepspeed 0.19.8). "
+            "Fix: zero.stage=1, or precision.params_dtype=fp32.")
     if layout.tp > 1:
         z = cfg.zero
         if z.stage == 3:
@@ -343,9 +350,9 @@ def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
         if cfg.model.num_experts:
             out.append(f"parallel.tp={layout.tp} with experts (model.num_experts={cfg.model.num_experts}) is not "
                        "built on engine=deepspeed. Fix: engine=megatron.")
-        if cfg.checkpoint.save or cfg.checkpoint.load:
-            out.append(f"parallel.tp={layout.tp}: checkpoints of DeepSpeed over Megatron-Core TP are not built. "
-                       "Fix: drop checkpoint.save/load, or engine=megatron.")
+        if cfg.checkpoint.save:
+            out.append(f"parallel.tp={layout.tp}: engine=deepspeed over Megatron-Core TP saves no checkpoints "
+                       "(not built). Fix: drop checkpoint.save, or engine=megatron.")
     return out
 
 
@@ -377,7 +384,14 @@ def check_checkpoint(cfg) -> list[str]:
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
     deepspeed = cfg.engine.name == "deepspeed"
-    if deepspeed and ck.load and not holds_checkpoints(ck.load):
+    if deepspeed and ck.load and cfg.parallel.tp > 1:
+        # DeepSpeed over Megatron-Core TP starts from a Megatron-Core checkpoint's weights
+        # (e.g. one converted from Hugging Face); it resumes nothing.
+        problem = describe_problem(ck.load, cfg.model, engine="megatron")
+        if problem:
+            out.append(f"{problem} (engine=deepspeed with parallel.tp>1 starts from the weights of a Megatron-Core "
+                       "checkpoint, such as hf-to-megatron writes.)")
+    elif deepspeed and ck.load and not holds_checkpoints(ck.load):
         out += initial_hf_weights_problems(ck.load, cfg.model)
     elif deepspeed and ck.load and ck.weights_only:
         out.append(f"checkpoint.weights_only=true: engine=deepspeed resumes its checkpoints whole. To start a new "

@@ -96,6 +96,7 @@ def extensions_to_build(cfg) -> list[str]:
 
 class DeepSpeedTrainer:
     spec_name = "huggingface"
+    resumes_checkpoints = True  # checkpoint.load: its own checkpoint root, or a Hugging Face folder
 
     def __init__(self, cfg, layout: ParallelLayout):
         import deepspeed
@@ -264,7 +265,7 @@ def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
 
     ck = cfg.checkpoint
     first_step = 0
-    if ck.load and holds_checkpoints(ck.load):
+    if ck.load and holds_checkpoints(ck.load) and trainer.resumes_checkpoints:
         started = time.perf_counter()
         first_step, path = deepspeed_checkpoint.load(trainer, ck.load, fallback=ck.fallback, job_dir=job_dir)
         if dist.get_rank() == 0:

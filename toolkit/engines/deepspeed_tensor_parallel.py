@@ -16,9 +16,12 @@ partitions gradients inside the backward (its post-accumulate hooks), so here a 
 each such parameter sums its gradient over TP before it is accumulated
 (`sum_partial_gradients_over_tp`).
 
+`checkpoint.load` names a Megatron-Core checkpoint (one hf-to-megatron wrote, or the
+Megatron engine's) whose weights the run starts from; this combination saves none.
+
 Not built, refused by validation with the reason: ZeRO-3 (DeepSpeed partitions whole
 parameters for data parallelism and does not compose with tensor-parallel layers),
-pipeline parallelism, experts, and checkpoints of this combination.
+pipeline parallelism, experts, and saving checkpoints.
 """
 from __future__ import annotations
 
@@ -107,6 +110,8 @@ def sum_partial_gradients_over_tp(model, config) -> list:
 class DeepSpeedTensorParallelTrainer:
     """One rank of a DeepSpeed ZeRO-1/2 run over a Megatron-Core TP model."""
 
+    resumes_checkpoints = False  # checkpoint.load: a Megatron-Core checkpoint's weights, loaded at build
+
     def __init__(self, cfg, layout: ParallelLayout, ds_config: dict):
         import deepspeed
         from megatron.core import parallel_state as ps
@@ -126,6 +131,11 @@ class DeepSpeedTensorParallelTrainer:
         (model,) = build_model_chunks(cfg, tcfg, False)
         if not on_cpu:
             model.cuda(torch.cuda.current_device())
+        if cfg.checkpoint.load:  # initial weights only, before DeepSpeed copies them into its fp32 masters
+            from ..checkpoint_dir import checkpoint_to_load
+            from .megatron_checkpoint import load_model_weights
+
+            load_model_weights([model], checkpoint_to_load(cfg.checkpoint.load))
         self._tp_gradient_hooks = sum_partial_gradients_over_tp(model, tcfg)
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)

@@ -154,6 +154,10 @@ class MegatronTrainer:
         if e.overlap_param_gather and not single and not fsdp:
             self.tcfg.param_sync_func = [m.start_param_sync for m in self.model]
         self.optimizer = get_megatron_optimizer(optimizer_config(cfg), self.model)
+        # The schedule multiplies each micro-batch's loss by the optimizer's loss scale through
+        # this hook (fp16); the optimizer divides the gradients by it. Unset, fp16 gradients
+        # came out 65,536 times too small (bf16 and fp32 have scale 1).
+        self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
         self.data = make_source(cfg, data_cache_dir)

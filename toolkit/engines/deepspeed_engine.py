@@ -1,7 +1,8 @@
 """The DeepSpeed engine: a Hugging Face Llama/Mixtral trained with ZeRO data parallelism.
 
-DeepSpeed here means ZeRO stages 0-3 and CPU offload over plain data parallelism; model
-parallelism is Megatron-Core's job (validation refuses TP/PP/CP/EP on this engine). The
+DeepSpeed here means ZeRO stages 0-3 and CPU offload over plain data parallelism, or
+ZeRO-1/2 over Megatron-Core's tensor parallelism (`deepspeed_tensor_parallel`); PP, CP and
+EP are the Megatron engine's (validation refuses them here, with the reason). The
 data stream, loss definition and metrics are the Megatron engine's, and so are the
 optimizer settings, parameter groups and schedule (`optimizer_schedule`) and the rules
 that draw the initial weights: from the same weights (`checkpoint.load`, a Hugging Face

@@ -3,8 +3,7 @@ processes, DP=2), optimizer offload under ZeRO-2 and optimizer + parameter offlo
 ZeRO-3 follow the Megatron engine's loss step by step. Offload uses DeepSpeed's own CPU
 Adam (`cpu_adam`, compiled on first use: about 1-3 minutes on 2 cores, once per machine)."""
 import pytest
-from conftest import launch
-from test_deepspeed_runs import losses_and_norms, megatron_run_from_hf
+from test_deepspeed_runs import deepspeed_run_from_hf, megatron_run_from_hf
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +15,8 @@ def start(tmp_path_factory):
                                      ["zero=stage3", "zero.offload_optimizer=true", "zero.offload_params=true"]],
                          ids=["zero2_optimizer", "zero3_optimizer_and_params"])
 def test_offloaded_runs_follow_the_megatron_engine(start, offload):
-    root, hf, common, (want_loss, want_norm) = start
-    job = root / "_".join(o.split("=")[0].split(".")[-1] + o.split("=")[1] for o in offload)
-    result = launch([*common, "engine=deepspeed", *offload, f"checkpoint.load={hf}", f"job_dir={job}"],
-                    cwd=root, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    loss, norm = losses_and_norms(job)
+    want_loss, want_norm = start[3]
+    loss, norm = deepspeed_run_from_hf(start, offload[0].split("=")[1], *offload, timeout=900)
     assert want_loss[-1] < want_loss[0] - 0.5
     assert loss == pytest.approx(want_loss, rel=1e-3)
     assert norm == pytest.approx(want_norm, rel=1e-3)

@@ -34,6 +34,17 @@ def megatron_run_from_hf(root: Path, kind: str, *overrides) -> tuple:
     return root, hf, common, losses_and_norms(root / "megatron")
 
 
+def deepspeed_run_from_hf(start: tuple, name: str, *overrides, timeout=600) -> tuple[list[float], list[float]]:
+    """The DeepSpeed engine's run from the Hugging Face folder of `start` (a
+    megatron_run_from_hf result): its losses and gradient norms."""
+    root, hf, common, _ = start
+    job = root / name
+    result = launch([*common, "engine=deepspeed", *overrides, f"checkpoint.load={hf}", f"job_dir={job}"],
+                    cwd=root, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return losses_and_norms(job)
+
+
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):
     return megatron_run_from_hf(tmp_path_factory.mktemp("parity"), "llama")
@@ -42,11 +53,8 @@ def start(tmp_path_factory):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_every_zero_stage_follows_the_megatron_engine_step_by_step(start, stage):
     root, hf, common, (want_loss, want_norm) = start
+    loss, norm = deepspeed_run_from_hf(start, f"zero{stage}", f"zero=stage{stage}")
     job = root / f"zero{stage}"
-    result = launch([*common, "engine=deepspeed", f"zero=stage{stage}", f"checkpoint.load={hf}", f"job_dir={job}"],
-                    cwd=root, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    loss, norm = losses_and_norms(job)
     assert len(loss) == STEPS and want_loss[-1] < want_loss[0] - 0.5  # it learns, and so must both
     assert loss == pytest.approx(want_loss, rel=1e-3)
     assert norm == pytest.approx(want_norm, rel=1e-3)  # clipping sees the same gradient norm

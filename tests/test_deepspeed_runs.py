@@ -62,6 +62,17 @@ def test_every_zero_stage_follows_the_megatron_engine_step_by_step(start, stage)
     assert summary["placement_verified"] is True and summary["layer_spec"] == "huggingface"
 
 
+def test_full_recompute_follows_the_megatron_engine(start):
+    """train.recompute=full on the Hugging Face model (gradient checkpointing of every layer)
+    changes memory, not numbers."""
+    want_loss, want_norm = start[3]
+    loss, norm = deepspeed_run_from_hf(start, "zero2_recompute", "zero=stage2", "train.recompute=full")
+    summary = json.loads((start[0] / "zero2_recompute" / "summary.json").read_text())
+    assert summary["layer_spec"] == "huggingface+recompute"  # the model's own gradient-checkpointing flag
+    assert loss == pytest.approx(want_loss, rel=1e-3)
+    assert norm == pytest.approx(want_norm, rel=1e-3)
+
+
 def test_a_default_run_starts_from_megatrons_initialisation(run_launch, tmp_path):
     """Without initial weights the DeepSpeed engine draws them by Megatron-Core's rules
     (residual-output projections scaled down), not transformers' N(0, 0.02) everywhere."""

@@ -30,6 +30,8 @@ BROKEN = {
                                "config.json does not exist"]),
     "deepspeed_tp_zero3": (["engine=deepspeed", "zero=stage3", "parallel.tp=2"],
                            ["ZeRO-3 partitions whole parameters", "deepspeedai/DeepSpeed#6523"]),
+    "deepspeed_selective_recompute": (["engine=deepspeed", "zero=stage1", "train.recompute=selective"],
+                                      ["train.recompute=selective is Megatron-Core's", "Fix: train.recompute=full"]),
     "deepspeed_zero0_bf16": (["engine=deepspeed", "zero=stage0", "precision=bf16"],
                              ["FP16_UnfusedOptimizer", "Fix: zero.stage=1"]),
     "deepspeed_tp_zero0": (["engine=deepspeed", "zero=stage0", "parallel.tp=2"], ["Fix: zero.stage=1"]),

@@ -326,6 +326,10 @@ def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
             "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
             "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
             "Fix: engine=megatron.")
+    if layout.tp == 1 and cfg.train.recompute == "selective":
+        out.append("train.recompute=selective is Megatron-Core's (attention's core only); the Hugging Face model "
+                   "engine=deepspeed trains recomputes whole layers. Fix: train.recompute=full, or parallel.tp>1 "
+                   "(Megatron-Core's GPTModel under DeepSpeed), or engine=megatron.")
     if cfg.zero.stage == 0 and cfg.precision.params_dtype != "fp32":
         out.append(
             f"zero.stage=0 with precision.params_dtype={cfg.precision.params_dtype}: without ZeRO DeepSpeed wraps the "

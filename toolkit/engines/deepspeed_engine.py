@@ -117,6 +117,10 @@ class DeepSpeedTrainer:
             initialise_as_megatron(model, cfg, layout)
         from .deepspeed_checkpoint import resumes_through_universal
 
+        if cfg.train.recompute == "full":  # every layer's activations recomputed in the backward, as Megatron's "full"
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if model.is_gradient_checkpointing:  # read back from the model: what the summary reports is what runs
+            self.spec_name = "huggingface+recompute"
         ds_cfg = deepspeed_config(cfg, layout, load_universal=resumes_through_universal(cfg, layout.dp))
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)

@@ -88,23 +88,20 @@ TP2_DP2 = ["parallel.tp=2", "cluster.gpus_per_node=4", "cluster.nvlink_domain_si
            "train.steps=10"]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["tp2", "tp2_sp"])
-def megatron_tp2_dp2(request, tmp_path_factory):
-    sp = request.param
-    root = tmp_path_factory.mktemp("tp2_sp" if sp else "tp2")
+def megatron_tp2_dp2_run(root: Path, sp: bool) -> tuple:
     layout = [*TP2_DP2, f"parallel.sp={str(sp).lower()}"]
     result = launch([*layout, "zero=stage1", f"job_dir={root / 'megatron'}"], cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, layout, losses_and_norms(root / "megatron")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_zero_over_megatron_tensor_parallelism_follows_the_megatron_engine(megatron_tp2_dp2, stage):
-    """TP=2 x DP=2, without and with sequence parallelism: DeepSpeed partitions the
-    optimizer over Megatron-Core's DP group, takes the gradient norm over its TP shards (the
-    mpu adapter) and, with SP, sees the norm weights' gradients summed over TP - same losses
-    and norms as the Megatron engine."""
-    root, layout, (want_loss, want_norm) = megatron_tp2_dp2
+@pytest.fixture(scope="module")
+def megatron_tp2_dp2(tmp_path_factory):
+    return megatron_tp2_dp2_run(tmp_path_factory.mktemp("tp2"), sp=False)
+
+
+def deepspeed_follows(megatron_run: tuple, stage: int) -> None:
+    root, layout, (want_loss, want_norm) = megatron_run
     job = root / f"deepspeed{stage}"
     result = launch([*layout, "engine=deepspeed", f"zero=stage{stage}", f"job_dir={job}"], cwd=root, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -118,6 +115,18 @@ def test_zero_over_megatron_tensor_parallelism_follows_the_megatron_engine(megat
     assert [r["groups"]["tp"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # Megatron-Core's groups
     assert [r["groups"]["dp"] for r in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_over_megatron_tensor_parallelism_follows_the_megatron_engine(megatron_tp2_dp2, stage):
+    """TP=2 x DP=2: DeepSpeed partitions the optimizer over Megatron-Core's DP group and
+    takes the gradient norm over its TP shards (the mpu adapter) - same losses and norms."""
+    deepspeed_follows(megatron_tp2_dp2, stage)
+
+
+def test_sequence_parallelism_under_zero_follows_the_megatron_engine(tmp_path):
+    """TP=2+SP x DP=2 under ZeRO-1: the norm weights' gradients, partial on each TP rank,
+    are summed over TP before DeepSpeed reduces them (without it: 6 of 10 losses off)."""
+    deepspeed_follows(megatron_tp2_dp2_run(tmp_path, sp=True), 1)
 
 
 def test_zero_over_tensor_parallelism_starts_from_a_converted_checkpoint(start):

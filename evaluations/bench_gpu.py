@@ -170,8 +170,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--same-weights", action="store_true",
-                    help="start every case from one draw of the weights (Megatron and DeepSpeed engines alike; "
-                    "DeepSpeed over TP starts from the same seed as the Megatron engine's TP run)")
+                    help="start every case from one draw of the weights, as a Hugging Face folder and its "
+                    "Megatron-Core conversion (both engines; Megatron-FSDP, which loads no checkpoint, from the seed)")
     ap.add_argument("--jobs", type=Path, help="keep the job directories here (to log them into MLflow later "
                     "with python -m gridwright.sync); default: a temporary directory")
     args = ap.parse_args()

@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -151,12 +150,12 @@ def _restore_zero3_param_groups(trainer, universal: Path) -> None:
             state["step"] = state["step"].clone()
 
 
-def load(trainer, root: str | os.PathLike, fallback: bool = False, job_dir: str | os.PathLike | None = None
-         ) -> tuple[int, Path]:
+def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback: bool = False) -> tuple[int, Path]:
     """Restore model, optimizer, schedule and step from the newest checkpoint under `root`
     (with `fallback`, the newest intact one); returns the step to continue from and the
-    checkpoint loaded. Validation has refused what this would refuse; a job launched
-    elsewhere (Slurm, torchrun lines) meets the same checks here."""
+    checkpoint loaded. A checkpoint saved at another data-parallel size is converted into
+    `job_dir`, the one directory every rank shares. Validation has refused what this would
+    refuse; a job launched elsewhere (Slurm, torchrun lines) meets the same checks here."""
     path = checkpoint_to_load(root, fallback)
     if path is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
@@ -176,7 +175,7 @@ def load(trainer, root: str | os.PathLike, fallback: bool = False, job_dir: str 
     if how == "universal":
         if not trainer.engine.load_universal_checkpoint():
             raise CheckpointError(f"{path} needs the universal load, which this engine was not configured for")
-        source = universal_copy(path, Path(job_dir) if job_dir else Path(tempfile.mkdtemp(prefix="gw_universal_")))
+        source = universal_copy(path, Path(job_dir))
     loaded, _ = trainer.engine.load_checkpoint(str(source.parent), tag=source.name, load_lr_scheduler_states=False)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {source}")

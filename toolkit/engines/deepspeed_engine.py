@@ -272,7 +272,7 @@ def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
     first_step = 0
     if ck.load and holds_checkpoints(ck.load) and trainer.resumes_checkpoints:
         started = time.perf_counter()
-        first_step, path = deepspeed_checkpoint.load(trainer, ck.load, fallback=ck.fallback, job_dir=job_dir)
+        first_step, path = deepspeed_checkpoint.load(trainer, ck.load, job_dir, fallback=ck.fallback)
         if dist.get_rank() == 0:
             print(f"checkpoint  loaded {path} in {time.perf_counter() - started:.1f} s; resuming after step "
                   f"{first_step}", flush=True)

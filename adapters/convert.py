@@ -7,7 +7,7 @@ from the DeepSpeed engine's checkpoints to either.
     python -m gridwright.adapters.convert deepspeed-to-megatron --deepspeed DIR --out DIR [--tp 2 ...] [--verify]
 
 Everything is checked before a byte is written: the architecture (refusals in
-hf_architecture), the target layout (gridwright's own validation rules), and that every
+families.hf_config), the target layout (gridwright's own validation rules), and that every
 source tensor is mapped or explicitly accounted for, with the shape the config implies.
 Tensors then stream one at a time into a temporary directory that is renamed into place
 when complete. The output records its source, layout and the toolkit version.
@@ -32,9 +32,9 @@ import torch
 
 from ..atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
 from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint
-from . import weight_map as wm
-from .hf_architecture import (
-    UnsupportedModel,
+from ..families import weight_table as wm
+from ..families.declaration import UnsupportedModel
+from ..families.hf_config import (
     default_model_name,
     hf_config_from_model,
     model_config_from_hf,

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face models of every architecture the converter supports.
+"""Tiny random Hugging Face models of every architecture the converter supports (each
+family declaration names its own, in `tiny`).
 
 Made locally by `transformers` (no hub access) and saved with `save_pretrained`, so the
 files are exactly what a user's folder holds. The tests and the conversion check
@@ -18,22 +19,13 @@ SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 
 
 def _configs():
+    """Every tiny model of every declared family, as its transformers config object."""
     import transformers
 
-    return {
-        "llama": transformers.LlamaConfig(**SHAPE),
-        # Llama 1/2: multi-head attention (as many key/value heads as query heads).
-        "llama2_mha": transformers.LlamaConfig(**dict(SHAPE, num_key_value_heads=4)),
-        # Llama 3.x: rope scaling, large theta, tied embeddings (as Llama-3.2-1B).
-        "llama3_tied": transformers.LlamaConfig(
-            **SHAPE, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        ),
-        "mistral": transformers.MistralConfig(**SHAPE, sliding_window=None),
-        "qwen2": transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-        "mixtral": transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
-    }
+    from ..families.registry import FAMILIES
+
+    return {name: getattr(transformers, fam.hf_config_class)(**dict(SHAPE, **extra))
+            for fam in FAMILIES.values() for name, extra in fam.tiny.items()}
 
 
 ARCHITECTURES = tuple(_configs())

@@ -47,7 +47,21 @@ def _tensors(folder: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ARCHITECTURES)
+ACROSS_PROCESSES = [
+    ("llama", 2, 1, None, 1),
+    ("llama", 1, 2, 2, 1),
+    ("llama3_tied", 1, 2, None, 1),  # the tied output layer lives on the last stage
+    ("qwen2", 2, 1, None, 1),  # QKV biases split over TP
+    ("mixtral", 1, 1, None, 2),
+    ("mixtral", 2, 1, None, 1),
+    ("qwen3", 2, 1, None, 1),  # QK-norm (per head) and a head size apart from hidden / heads, over TP
+    ("qwen3", 1, 2, None, 1),
+    ("qwen3_moe", 1, 1, None, 2),
+]
+
+
+# An architecture checked across processes is not checked again in one (the suite's time).
+@pytest.mark.parametrize("kind", [k for k in ARCHITECTURES if k not in {c[0] for c in ACROSS_PROCESSES}])
 def test_logits_match_at_tp1(kind, models, converted):
     r = compare_logits(models[kind], converted[kind])
     print(f"{kind} TP=1: max |diff| {r['max_abs_diff']:.2e} (logits up to {r['max_abs_logit']:.2f})")
@@ -55,17 +69,11 @@ def test_logits_match_at_tp1(kind, models, converted):
     assert r["max_abs_diff"] <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind,tp,pp,vpp,ep", [
-    ("llama", 2, 1, None, 1),
-    ("llama", 1, 2, 2, 1),
-    ("llama3_tied", 1, 2, None, 1),  # the tied output layer lives on the last stage
-    ("qwen2", 2, 1, None, 1),  # QKV biases split over TP
-    ("mixtral", 1, 1, None, 2),
-    ("mixtral", 2, 1, None, 1),
-])
+@pytest.mark.parametrize("kind,tp,pp,vpp,ep", ACROSS_PROCESSES)
 def test_logits_match_across_processes(kind, tp, pp, vpp, ep, models, converted):
     r = compare_logits(models[kind], converted[kind], tp=tp, pp=pp, vpp=vpp, ep=ep)
     print(f"{kind} TP={tp} PP={pp} VPP={vpp} EP={ep}: max |diff| {r['max_abs_diff']:.2e}")
+    assert r["max_abs_logit"] > 1.0
     assert r["max_abs_diff"] <= TOLERANCE
 
 
@@ -138,7 +146,7 @@ def test_mixed_dtypes_round_trip_per_tensor(tmp_path):
     assert all(b[n].dtype == a[n].dtype and torch.equal(a[n], b[n]) for n in a)
 
 
-@pytest.mark.parametrize("kind", ["llama3_tied", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama3_tied", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe"])
 def test_export_without_the_source_config_writes_an_equivalent_one(kind, models, converted, tmp_path):
     """Without the kept source config.json, the exported config is written by transformers'
     config class from the model config; the exported model computes the original's logits."""

@@ -84,13 +84,14 @@ BROKEN = {
     "moe_tp_without_sp": (["model=tiny_mixtral", "parallel.tp=2", "parallel.moe_token_dispatcher=allgather"],
                           ["needs parallel.sp=true"]),
     "bad_choice": (["engine.name=jax"], ["engine.name='jax' is not one of megatron, deepspeed"]),
-    "unknown_family": (["model.family=gpt2"], ["model.family='gpt2' is not one of llama, mistral, qwen2, mixtral"]),
-    "experts_need_mixtral_family": (["model.num_experts=4"], ["only the mixtral family has experts"]),
-    "qkv_bias_needs_qwen2_family": (["model.qkv_bias=true"], ["QKV biases are what the qwen2 family has"]),
+    "unknown_family": (["model.family=gpt2"], ["model.family='gpt2' is not one of llama, mistral, qwen2, mixtral, qwen3, qwen3_moe"]),
+    "experts_need_a_moe_family": (["model.num_experts=4"], ["the llama family is dense"]),
+    "dense_family_without_experts": (["model.family=qwen3_moe"], ["the qwen3_moe family is a mixture of experts"]),
+    "qkv_bias_needs_qwen2_family": (["model.qkv_bias=true"], ["the llama family has qkv_bias=False"]),
     "vocab_not_divisible_by_tp": (["parallel.tp=2", "model.vocab_size=257"],
                                   ["model.vocab_size=257 is not divisible by parallel.tp=2"]),
     "deepspeed_qwen2": (["engine=deepspeed", "model.family=qwen2", "model.qkv_bias=true"],
-                        ["engine=deepspeed builds a plain Hugging Face Llama or Mixtral"]),
+                        ["engine=deepspeed without TP builds the Hugging Face Llama and Mixtral classes"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }
 

@@ -507,7 +507,7 @@ def _cp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
         return []
     c = _Calls(cp)
     m = cfg.model
-    head_dim = st.h // int(m.num_attention_heads)
+    head_dim = m.get("head_dim") or st.h // int(m.num_attention_heads)
     kv = st.s * st.b * (int(m.num_query_groups) // layout.tp) * head_dim * st.act
     per = st.layers * st.micro
     c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, forward")
@@ -536,7 +536,7 @@ def _stage_params(cfg, layout: ParallelLayout) -> tuple[list[int], list[int], in
     m = cfg.model
     pc = param_counts(m)
     tp, h = layout.tp, int(m.hidden_size)
-    head_dim = h // int(m.num_attention_heads)
+    head_dim = m.get("head_dim") or h // int(m.num_attention_heads)
     qkv_bias = (int(m.num_attention_heads) + 2 * int(m.num_query_groups)) * head_dim if m.qkv_bias else 0
     layers = int(m.num_layers) // layout.pp
     dense_layer = (pc.attention_per_layer + pc.dense_mlp_per_layer + qkv_bias) // tp + 2 * h + pc.router_per_layer

@@ -54,7 +54,7 @@ class ParamCounts:
 def param_counts(model) -> ParamCounts:
     h, f, L = model.hidden_size, model.ffn_hidden_size, model.num_layers
     heads, groups, V = model.num_attention_heads, model.num_query_groups, model.vocab_size
-    head_dim = h // heads
+    head_dim = getattr(model, "head_dim", None) or h // heads
     qkv = h * (heads + 2 * groups) * head_dim
     attn = qkv + heads * head_dim * h
     mlp_one = 3 * h * f  # SwiGLU: gate, up, down
@@ -83,7 +83,8 @@ def _active_matmul_params(model, count_router: bool) -> int:
 
 def _attention_score_flops(model, seq_length: int) -> int:
     """Forward FLOPs per token of Q K^T and scores x V with the full S x S matrix."""
-    attn_width = model.num_attention_heads * (model.hidden_size // model.num_attention_heads)
+    head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+    attn_width = model.num_attention_heads * head_dim
     return 2 * 2 * model.num_layers * seq_length * attn_width
 
 

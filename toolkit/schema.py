@@ -17,12 +17,13 @@ class ModelConfig:
     """Shape of a Llama-style decoder (RMSNorm, SwiGLU, rotary, GQA), optionally MoE."""
 
     name: str = MISSING
-    family: str = "llama"  # llama | mistral | qwen2 | mixtral (Hugging Face model_type)
+    family: str = "llama"  # a declared family (gridwright.families.registry): Hugging Face's model_type
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
     num_attention_heads: int = MISSING
     num_query_groups: int = MISSING  # key/value heads (GQA); equal to heads for MHA
+    head_dim: Optional[int] = None  # None means hidden_size / heads (Qwen3 decouples it)
     vocab_size: int = MISSING
     max_position_embeddings: int = 4096
     rotary_base: float = 10000.0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from .families.hf_config import family_problems
+from .families.registry import FAMILIES, family
 from .layout import ParallelLayout
 from .machine_probe import probe
 from .memory_estimate import estimate_memory
@@ -23,7 +25,6 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("e4m3", "hybrid")
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 class ConfigError(ValueError):
@@ -47,7 +48,7 @@ def check_choices(cfg) -> list[str]:
         ("precision.fp8_format", cfg.precision.fp8_format, FP8_FORMATS),
         ("train.recompute", cfg.train.recompute, RECOMPUTE),
         ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
-        ("model.family", cfg.model.family, FAMILIES),
+        ("model.family", cfg.model.family, tuple(FAMILIES)),
         ("evaluate.flops_definition", cfg.evaluate.flops_definition, FLOPS_DEFINITIONS),
         ("launcher.gpu_request", cfg.launcher.gpu_request, GPU_REQUESTS),
     ):
@@ -106,12 +107,8 @@ def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
         )
     if m.ffn_hidden_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={tp}.")
-    if (m.family == "mixtral") != bool(m.num_experts):
-        out.append(f"model.family={m.family} with model.num_experts={m.num_experts}: only the mixtral family has "
-                   "experts (the family names the Hugging Face architecture).")
-    if (m.family == "qwen2") != bool(m.qkv_bias):
-        out.append(f"model.family={m.family} with model.qkv_bias={m.qkv_bias}: QKV biases are what the qwen2 "
-                   "family has, and only it.")
+    if m.family in FAMILIES:
+        out += family_problems({k: m[k] for k in ("family", "num_experts", "qkv_bias")})
     if m.vocab_size % tp:
         out.append(
             f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (Megatron-Core's "
@@ -241,11 +238,12 @@ def check_engine(cfg, layout: ParallelLayout) -> list[str]:
     if e == "deepspeed":
         out += deepspeed_layout_problems(cfg, layout)
         m = cfg.model
-        if layout.tp == 1 and (m.qkv_bias or m.rope_scaling_factor is not None or m.family in ("mistral", "qwen2")):
-            out.append(
-                "engine=deepspeed builds a plain Hugging Face Llama or Mixtral; QKV biases, rope scaling and "
-                f"the {m.family} family need engine=megatron."
-            )
+        refusal = family(m.family).deepspeed_refusal if m.family in FAMILIES else None
+        if layout.tp == 1 and refusal:
+            out.append(refusal.format(family=m.family))
+        elif layout.tp == 1 and m.rope_scaling_factor is not None:
+            out.append("engine=deepspeed builds a plain Hugging Face model without rope scaling; Llama-3 rope "
+                       "scaling needs engine=megatron.")
     if cfg.cluster.device == "cpu" and cfg.parallel.moe_token_dispatcher == "alltoall" and cfg.model.num_experts:
         out.append(
             "parallel.moe_token_dispatcher=alltoall creates a CUDA stream in Megatron-Core 0.16.1 and cannot "
@@ -363,7 +361,8 @@ def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
 def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:
     """engine=deepspeed starts from a Hugging Face folder's weights (checkpoint.load, when
     it is not a checkpoint root to resume): it must be one, of this model's shape."""
-    from gridwright.adapters.hf_architecture import UnsupportedModel, model_config_from_hf, read_hf_config
+    from .families.declaration import UnsupportedModel
+    from .families.hf_config import model_config_from_hf, read_hf_config
     from .checkpoint_dir import model_differences
 
     try:

@@ -33,7 +33,7 @@ def hf_config(model):
     checkpoint export writes)."""
     from omegaconf import OmegaConf
 
-    from gridwright.adapters.hf_architecture import transformers_config
+    from ..families.hf_config import transformers_config
 
     return transformers_config(OmegaConf.to_container(model, resolve=True))
 

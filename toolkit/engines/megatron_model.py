@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from ..families.registry import family
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -23,12 +25,12 @@ def transformer_config_kwargs(cfg, layout) -> dict:
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim,  # None: hidden_size / heads
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
         activation_func=F.silu,
         gated_linear_unit=True,  # SwiGLU
         add_bias_linear=False,
-        add_qkv_bias=m.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -55,6 +57,7 @@ def transformer_config_kwargs(cfg, layout) -> dict:
         batch_p2p_comm=not on_cpu and not layout.vpp,
         overlap_p2p_comm=bool(layout.vpp),
     )
+    kw.update(family(m.family).megatron)  # the family's own settings (QKV bias, QK-norm)
     if m.num_experts:
         kw.update(
             num_moe_experts=m.num_experts,
@@ -199,9 +202,13 @@ def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
 
     num_experts = cfg.model.num_experts or None
     if te_available:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, qk_layernorm=tcfg.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=tcfg.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if tcfg.qk_layernorm:  # per-head norms of queries and keys (Qwen3)
+        spec.submodules.self_attention.submodules.q_layernorm = TorchRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = TorchRMSNorm
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     layers = get_num_layers_to_build(tcfg, vp_stage=vp_stage)

@@ -1,33 +1,35 @@
-"""Which Hugging Face models convert, and the gridwright model config each one becomes.
+"""A Hugging Face config.json read into gridwright's model config through the family
+declarations, and written back by transformers' own config classes.
 
-A Hugging Face `config.json` is read through `transformers.AutoConfig`, so a field the
-file leaves out gets the value transformers itself would use (Mistral's sliding window,
-Mixtral's rope theta...), and legacy spellings (`rope_theta` + `rope_scaling`) are
-normalised as transformers does. Every field that changes the computation is then
-either mapped onto gridwright's ModelConfig or refused with the reason. Refusing is the
-point: a sliding window, an unknown rope scaling, a bias Megatron-Core's layer would not
-apply would each give a model that loads and then computes something else.
+config.json is read through `transformers.AutoConfig`, so a field the file leaves out
+gets the value transformers itself would use (Mistral's sliding window, Mixtral's rope
+theta...), and legacy spellings (`rope_theta` + `rope_scaling`) are normalised as
+transformers does. Every field that changes the computation is then either mapped onto
+gridwright's ModelConfig or refused with the reason. Refusing is the point: a sliding
+window, an unknown rope scaling, a bias Megatron-Core's layer would not apply would each
+give a model that loads and then computes something else.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections import defaultdict
 from pathlib import Path
 
-SUPPORTED = {
-    # model_type: (architecture class, gridwright family)
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "mixtral": ("MixtralForCausalLM", "mixtral"),
-}
+from .declaration import Family, UnsupportedModel
+from .registry import FAMILIES, family
+
 # Llama-3.x rope scaling as Megatron-Core 0.16.1 implements it (rotary_pos_embedding.py
 # `_apply_scaling`): only the factor is configurable there, these three are fixed.
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class UnsupportedModel(ValueError):
-    """The source cannot be converted exactly; nothing was written."""
+def _supported_type(model_type) -> Family:
+    if model_type not in FAMILIES:
+        raise UnsupportedModel(
+            f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}."
+        )
+    return FAMILIES[model_type]
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -41,10 +43,7 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UnsupportedModel(f"{path} is not valid JSON ({e}).") from e
-    if raw.get("model_type") not in SUPPORTED:
-        raise UnsupportedModel(
-            f"model_type '{raw.get('model_type')}' is not supported; supported: {', '.join(sorted(SUPPORTED))}."
-        )
+    _supported_type(raw.get("model_type"))
     try:
         return transformers.AutoConfig.from_pretrained(str(hf_dir)).to_dict()
     except (ValueError, TypeError, KeyError) as e:
@@ -85,70 +84,64 @@ def _refuse_if(condition: bool, reason: str) -> None:
 
 def model_config_from_hf(hf: dict, name: str) -> dict:
     """gridwright's ModelConfig fields for this Hugging Face config, or UnsupportedModel."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED:
-        raise UnsupportedModel(
-            f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(SUPPORTED))}."
-        )
-    arch, family = SUPPORTED[model_type]
-    archs = hf.get("architectures") or [arch]
-    _refuse_if(archs != [arch], f"architectures {archs} is not [{arch}] (only causal LM heads convert).")
+    fam = _supported_type(hf.get("model_type"))
+    archs = hf.get("architectures") or [fam.hf_architecture]
+    _refuse_if(archs != [fam.hf_architecture],
+               f"architectures {archs} is not [{fam.hf_architecture}] (only causal LM heads convert).")
     _refuse_if(hf.get("hidden_act", "silu") != "silu", f"hidden_act '{hf.get('hidden_act')}' is not silu (SwiGLU).")
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hidden // heads
-    _refuse_if(
-        head_dim * heads != hidden,
-        f"head_dim={head_dim} x {heads} heads != hidden_size={hidden}: a decoupled head size is not supported.",
-    )
-    _refuse_if(bool(hf.get("mlp_bias")), "mlp_bias=true is not supported (Llama/Mistral/Qwen2 MLPs have no bias).")
-    if model_type == "qwen2":
-        qkv_bias = True  # Qwen2 always has q/k/v biases and no output-projection bias
-        sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or [])
-        _refuse_if(sliding, "Qwen2 with use_sliding_window=true (sliding-window attention) is not supported.")
-    else:
-        qkv_bias = False
-        _refuse_if(
-            bool(hf.get("attention_bias")),
-            "attention_bias=true (biases on q/k/v and the output projection) is not supported.",
-        )
-        _refuse_if(
-            hf.get("sliding_window") is not None,
-            f"sliding_window={hf.get('sliding_window')} (sliding-window attention) is not supported; "
-            "only full causal attention converts.",
-        )
+    _refuse_if(bool(hf.get("mlp_bias")), "mlp_bias=true is not supported (these families' MLPs have no bias).")
+    for refusal in fam.refuses:
+        _refuse_if(refusal.when(hf), refusal.reason.format_map(defaultdict(lambda: None, hf)))
     missing = [k for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size") if not hf.get(k)]
     _refuse_if(bool(missing), f"config.json lacks {', '.join(missing)}.")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
     theta, scaling = _rope(hf)
     cfg = dict(
         name=name,
-        family=family,
+        family=fam.name,
         num_layers=hf["num_hidden_layers"],
         hidden_size=hidden,
         ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
+        # None where it is hidden_size / heads, so configs of the common case stay as they were.
+        head_dim=None if head_dim * heads == hidden else head_dim,
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         rotary_base=theta,
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
+        qkv_bias=False,
         rope_scaling_factor=scaling,
         num_experts=0,
         moe_router_topk=2,
         moe_aux_loss_coeff=1e-2,
     )
-    if model_type == "mixtral":
-        _refuse_if(
-            float(hf.get("router_jitter_noise") or 0.0) != 0.0,
-            "router_jitter_noise>0 is not supported (Megatron-Core's router has no equivalent input jitter).",
-        )
-        cfg.update(
-            num_experts=hf["num_local_experts"],
-            moe_router_topk=hf.get("num_experts_per_tok", 2),
-            moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 1e-2)),
-        )
+    for key, (hf_key, default) in fam.hf_fields.items():
+        value = hf.get(hf_key, default)
+        _refuse_if(value is None, f"config.json lacks {hf_key}.")
+        cfg[key] = type(cfg[key])(value) if cfg.get(key) is not None else value
+    cfg.update(fam.fixed)
     return cfg
+
+
+def family_problems(model: dict) -> list[str]:
+    """How a gridwright model config departs from its family's declaration (validation
+    and the exporter both refuse such a config)."""
+    if model.get("family") not in FAMILIES:
+        return [f"model.family='{model.get('family')}' is not one of {', '.join(FAMILIES)}."]
+    fam, out = FAMILIES[model["family"]], []
+    if fam.experts != bool(model.get("num_experts")):
+        out.append(f"model.family={fam.name} with model.num_experts={model.get('num_experts')}: the {fam.name} "
+                   f"family is {'a mixture of experts' if fam.experts else 'dense'} (the family names the Hugging "
+                   "Face architecture).")
+    fixed = dict({"qkv_bias": False}, **fam.fixed)
+    for key, value in fixed.items():
+        if bool(model.get(key)) != value:
+            out.append(f"model.family={fam.name} with model.{key}={model.get(key)}: the {fam.name} family has "
+                       f"{key}={value}.")
+    return out
 
 
 def transformers_config(model: dict):
@@ -156,17 +149,14 @@ def transformers_config(model: dict):
     builds its model from it; the exporter writes it as config.json)."""
     import transformers
 
-    family = model["family"]
-    experts, bias = bool(model.get("num_experts")), bool(model.get("qkv_bias"))
-    # Each family is one Hugging Face class: anything it would not compute is refused.
-    if (family == "mixtral") != experts:
-        raise UnsupportedModel(f"family {family} with num_experts={model.get('num_experts')}: only mixtral has experts.")
-    if (family == "qwen2") != bias:
-        raise UnsupportedModel(f"family {family} with qkv_bias={bias}: only qwen2 has (and needs) QKV biases.")
+    problems = family_problems(model)
+    if problems:
+        raise UnsupportedModel(" ".join(problems))
+    fam = family(model["family"])
     rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
     if model.get("rope_scaling_factor") is not None:
         rope.update(rope_type="llama3", factor=float(model["rope_scaling_factor"]), **LLAMA3_FIXED)
-    common = dict(
+    kwargs = dict(
         vocab_size=model["vocab_size"],
         hidden_size=model["hidden_size"],
         intermediate_size=model["ffn_hidden_size"],
@@ -179,18 +169,14 @@ def transformers_config(model: dict):
         rope_parameters=rope,
         hidden_act="silu",
     )
-    if family == "mixtral":
-        config = transformers.MixtralConfig(
-            num_local_experts=model["num_experts"], num_experts_per_tok=model["moe_router_topk"],
-            router_aux_loss_coef=model["moe_aux_loss_coeff"], sliding_window=None, **common,
-        )
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(use_sliding_window=False, **common)
-    elif family == "mistral":
-        config = transformers.MistralConfig(sliding_window=None, **common)
-    else:
-        config = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-    config.architectures = [SUPPORTED[family][0]]
+    if model.get("head_dim"):
+        kwargs["head_dim"] = model["head_dim"]
+    for key, value in fam.hf_export.items():  # "{field}" strings take the model's value, typed
+        if isinstance(value, str) and re.fullmatch(r"\{\w+\}", value):
+            value = model[value[1:-1]]
+        kwargs[key] = value
+    config = getattr(transformers, fam.hf_config_class)(**kwargs)
+    config.architectures = [fam.hf_architecture]
     return config
 
 

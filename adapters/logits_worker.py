@@ -37,9 +37,9 @@ def main() -> None:
     from ..engines.megatron_checkpoint import load_model_weights
     from .convert import layout_run_config
     from .verify_logits import ROUNDING, round_weights
-    from ..engines.megatron_cpu_compat import cpu_compat
+    from ..megatron_internals.cpu_compat import cpu_compat
     from ..engines.megatron_engine import init_parallel
-    from ..engines.megatron_fixes import apply_megatron_fixes
+    from ..megatron_internals.fixes import apply_megatron_fixes
     from ..engines.megatron_model import build_model_chunks, transformer_config_kwargs
     from ..layout import ParallelLayout
 

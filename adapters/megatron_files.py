@@ -37,13 +37,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..checkpoint_dir import read_common
-
-# What Megatron-Core 0.16.1's dist_checkpointing writes into metadata.json for torch_dist.
-BACKEND_METADATA = {
-    "sharded_backend": "torch_dist", "sharded_backend_version": 1,
-    "common_backend": "torch", "common_backend_version": 1,
-}
-
+from ..megatron_internals.checkpoint_format import TORCH_DIST_METADATA
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
@@ -127,7 +121,7 @@ def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[in
             no_dist=True,
         )
     torch.save({"common": common}, directory / "common.pt")
-    (directory / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
+    (directory / "metadata.json").write_text(json.dumps(TORCH_DIST_METADATA))
 
 
 def _numel(sizes) -> int:

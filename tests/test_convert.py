@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from gridwright.adapters.convert import main as convert_main
 from gridwright.adapters.tiny_models import ARCHITECTURES, make_tiny_model
+from gridwright.megatron_internals.checkpoint_format import TORCH_DIST_METADATA
 from gridwright.adapters.verify_logits import compare_logits, hf_logits, sample_tokens
 
 TOLERANCE = 1e-4
@@ -176,6 +177,8 @@ def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launc
     ckpt = tmp_path / "ckpt"
     r = run_launch(f"+experiment={experiment}", "train.steps=3", f"checkpoint.save={ckpt}", "tracking=off")
     assert r.returncode == 0, r.stderr[-3000:]
+    # the metadata Megatron-Core's own save writes is what the converter writes
+    assert json.loads((ckpt / "iter_0000003" / "metadata.json").read_text()) == TORCH_DIST_METADATA
     out = tmp_path / "hf"
     assert convert_main(["megatron-to-hf", "--megatron", str(ckpt), "--out", str(out)]) == 0
     record = json.loads((out / "conversion.json").read_text())

@@ -12,6 +12,8 @@ from .families.hf_config import family_problems
 from .families.registry import FAMILIES, family
 from .layout import ParallelLayout
 from .machine_probe import probe
+from .megatron_version import OVERRIDE as MEGATRON_OVERRIDE
+from .megatron_version import version_problem
 from .memory_estimate import estimate_memory
 from .model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from .placement import Placement, plan_placement
@@ -200,12 +202,24 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
     local_gpu_launch = for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda"
     if local_gpu_launch and not probe(transformer_engine=True).transformer_engine:
-        out.append(
-            "FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would "
-            "silently train in bf16 while the config says FP8, so gridwright refuses. Fix: install "
-            "Transformer Engine (CUDA + cuDNN) or use precision=bf16."
-        )
+        out.append(FP8_WITHOUT_TE)
     return out
+
+
+# Said before start by a local launch, and by every worker at start (gridwright.worker):
+# a Slurm or torchrun job's nodes are only seen by its workers.
+FP8_WITHOUT_TE = ("FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would silently train "
+                  "in bf16 while the config says FP8, so gridwright refuses. Fix: install Transformer Engine "
+                  "(CUDA + cuDNN) or use precision=bf16.")
+
+
+def check_megatron_core(cfg, for_launch: bool) -> list[str]:
+    """The installed Megatron-Core must be the tested release (a local launch runs on this
+    machine; other launchers' workers check their own at import of megatron_internals)."""
+    if not (for_launch and cfg.launcher.name == "local"):
+        return []
+    problem = version_problem()
+    return [problem] if problem and os.environ.get(MEGATRON_OVERRIDE) != "1" else []
 
 
 def check_engine(cfg, layout: ParallelLayout) -> list[str]:
@@ -555,6 +569,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
     problems += check_launcher(cfg, for_launch)
+    problems += check_megatron_core(cfg, for_launch)
     problems += check_tracking(cfg)
     problems += check_checkpoint(cfg)
     problems += check_data(cfg)

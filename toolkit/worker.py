@@ -208,12 +208,24 @@ def main(argv: list[str] | None = None) -> int:
         end_descendants()
 
 
+def refuse_what_this_machine_cannot_run(cfg) -> None:
+    """Validation's machine checks, repeated where the job runs: a Slurm or multi-node
+    torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
+    in bf16 while MFU divided by the FP8 peak."""
+    from .machine_probe import transformer_engine_available
+    from .validation import FP8_WITHOUT_TE
+
+    if cfg.precision.fp8_recipe is not None and cfg.cluster.device == "cuda" and not transformer_engine_available():
+        raise RuntimeError(FP8_WITHOUT_TE)
+
+
 def train(job_dir: Path) -> int:
     from .stop_request import StopRequest
 
     stop = StopRequest()
     cfg = load_job_config(job_dir)
     filter_known_warnings(cfg.cluster.device)
+    refuse_what_this_machine_cannot_run(cfg)
     layout = ParallelLayout.from_config(cfg)
     planned = json.loads((job_dir / PLACEMENT_JSON).read_text())
     state = {}

@@ -253,8 +253,8 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
     from megatron.core import parallel_state as ps
 
     from .deepspeed_tensor_parallel import DeepSpeedTensorParallelTrainer
-    from .megatron_cpu_compat import cpu_compat
-    from .megatron_fixes import apply_megatron_fixes
+    from ..megatron_internals.cpu_compat import cpu_compat
+    from ..megatron_internals.fixes import apply_megatron_fixes
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():

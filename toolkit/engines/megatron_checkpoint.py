@@ -10,7 +10,6 @@ per rank and restored only onto the same layout (they have no meaning on another
 from __future__ import annotations
 
 import os
-import queue
 import random
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from ..checkpoint_dir import (
     iteration_name,
     model_differences,
 )
+from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
 from .checkpoint_publish import staged_iteration
 
 
@@ -58,17 +58,6 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _materialise_distributed_optimizer_states(optimizer) -> None:
-    """A fresh distributed optimizer has no Adam states yet, and without Apex or TE its
-    `state_dict()` asserts on that (distrib_optimizer.py:642) before loading can fill them.
-    Megatron-Core's own helper creates placeholder states that the load overwrites."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
-
-
 def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -77,7 +66,7 @@ def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:
         model_sd[f"model{i}"] = m.module.sharded_state_dict()
     state = dict(model_sd)
     if is_loading:
-        _materialise_distributed_optimizer_states(trainer.optimizer)
+        materialise_distributed_optimizer_states(trainer.optimizer)
     # Without the "chained_N." prefix the optimizer state is keyed by parameter alone, so it
     # loads whether or not the target layout splits experts into a second optimizer (EP>1).
     meta = {"chained_optim_avoid_prefix": True}
@@ -167,22 +156,6 @@ def _load_weights_into(module, state: dict, path) -> None:
         raise CheckpointError(f"{path}: weights do not match the model: {', '.join(wrong[:8])}")
 
 
-def _write_results_in_process() -> None:
-    """Give Megatron's checkpoint writer a results queue inside this process.
-
-    Its first save otherwise starts a `spawn` multiprocessing Manager to hold the queue: a
-    fresh interpreter with SIGTERM's default action. Slurm signals every process of a job
-    step, more than once, so on scancel the Manager died mid stop-save and the save failed
-    with EOFError (seen in CI). The queue only carries results between processes for
-    Megatron's async save; gridwright saves synchronously (the write runs in this process),
-    so a plain queue does. This sets a private of megatron-core (pinned at 0.16.1).
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     from megatron.core import dist_checkpointing
@@ -198,7 +171,7 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
             "model_config": _model_config_dict(trainer.cfg.model),
             "distributed_optimizer": trainer.cfg.zero.stage >= 1,
         }
-        _write_results_in_process()
+        write_results_in_process()
         dist_checkpointing.save(state, str(partial))
     return Path(root) / iteration_name(step)
 

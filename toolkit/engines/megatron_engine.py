@@ -19,8 +19,8 @@ from ..layout import ParallelLayout
 from ..profiling import ProfileWindow
 from ..step_metrics import timed_step, write_memory_record
 from . import megatron_checkpoint
-from .megatron_cpu_compat import cpu_compat
-from .megatron_fixes import apply_megatron_fixes
+from ..megatron_internals.cpu_compat import cpu_compat
+from ..megatron_internals.fixes import apply_megatron_fixes
 from ..machine_probe import transformer_engine_available
 from .megatron_model import build_model_chunks, transformer_config_kwargs
 from .optimizer_schedule import lr_scheduler, optimizer_config

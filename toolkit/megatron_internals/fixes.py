@@ -2,13 +2,19 @@
 
 They bite on GPUs too (the GPU machines here have neither), so every Megatron run applies
 them, unlike the CPU-only workarounds in `megatron_cpu_compat`. Each names the upstream
-line; `tests/test_cpu_compat.py` checks that the line is still there.
+line in CITED; `tests/test_megatron_internals.py` checks that each line is still there.
 """
 from __future__ import annotations
 
 import torch
 
 _applied = False
+
+CITED = [
+    ("transformer/moe/moe_utils.py", "if te_general_gemm is not None"),  # _bind_te_general_gemm
+    ("optimizer/distrib_optimizer.py", 'dst_tensors = {"param": main_param, **optim_state}'),  # _skip_step_...
+    ("optimizer/distrib_optimizer.py", '                s["step"] = step\n'),  # _untie_adam_steps_after_loading
+]
 
 
 def apply_megatron_fixes() -> None:

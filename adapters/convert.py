@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
-from ..checkpoint_dir import LATEST, CheckpointError, iteration_name, latest_checkpoint
+from ..checkpoint_dir import LATEST, iteration_name
 from ..families import weight_table as wm
 from ..families.declaration import UnsupportedModel
 from ..families.hf_config import (
@@ -43,7 +43,8 @@ from ..families.hf_config import (
 )
 from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
-from .megatron_files import CheckpointReader, Slice, write_checkpoint
+from .logits_worker import layout_run_config
+from .megatron_files import CheckpointReader, Slice, find_checkpoint, write_checkpoint
 
 ITERATION = iteration_name(0)  # a converted checkpoint holds weights: training starts at step 0
 RECORD = "conversion.json"
@@ -67,23 +68,6 @@ def toolkit_version() -> str:
         return version("gridwright")
     except PackageNotFoundError:
         return "unknown"
-
-
-def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, seq_length: int):
-    """A run config of this model at this layout on CPU processes (one per rank), as the
-    layout check and the logits worker both build the model."""
-    from omegaconf import OmegaConf
-
-    from ..schema import RunConfig
-
-    cfg = OmegaConf.structured(RunConfig)
-    cfg.model = OmegaConf.merge(cfg.model, model)
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = tp, pp, vpp, ep
-    cfg.parallel.sp = tp > 1  # Megatron-Core needs SP for MoE with TP; harmless for dense
-    cfg.parallel.moe_token_dispatcher = "allgather"
-    cfg.cluster.gpus_per_node = cfg.cluster.nvlink_domain_size = tp * pp * ep
-    cfg.train.seq_length, cfg.train.micro_batch_size = seq_length, 1
-    return cfg
 
 
 def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
@@ -257,19 +241,6 @@ def _model_yaml(model: dict) -> str:
 
 
 # --- Megatron-Core -> Hugging Face -------------------------------------------------------
-
-
-def find_checkpoint(path: Path) -> tuple[Path, Path]:
-    """(root, iteration directory) from either a checkpoint root (with `latest`) or one iteration."""
-    if (path / "metadata.json").is_file():
-        return path.parent, path
-    try:
-        it = latest_checkpoint(path) if path.is_dir() else None
-    except CheckpointError as e:
-        raise ConversionError(str(e)) from e
-    if it is None:
-        raise ConversionError(f"{path} is not a Megatron-Core checkpoint (no metadata.json and no 'latest').")
-    return path, it
 
 
 def _model_from_yaml(path: Path) -> dict:

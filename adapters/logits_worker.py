@@ -15,6 +15,23 @@ import torch
 import torch.distributed as dist
 
 
+def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, seq_length: int):
+    """A run config of this model at this layout on CPU processes (one per rank), as the
+    layout check and the logits worker both build the model."""
+    from omegaconf import OmegaConf
+
+    from ..schema import RunConfig
+
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.model = OmegaConf.merge(cfg.model, model)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.ep = tp, pp, vpp, ep
+    cfg.parallel.sp = tp > 1  # Megatron-Core needs SP for MoE with TP; harmless for dense
+    cfg.parallel.moe_token_dispatcher = "allgather"
+    cfg.cluster.gpus_per_node = cfg.cluster.nvlink_domain_size = tp * pp * ep
+    cfg.train.seq_length, cfg.train.micro_batch_size = seq_length, 1
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True, help="an iter_N directory")
@@ -35,7 +52,6 @@ def main() -> None:
 
     from ..checkpoint_dir import read_common
     from ..engines.megatron_checkpoint import load_model_weights
-    from .convert import layout_run_config
     from .verify_logits import ROUNDING, round_weights
     from ..megatron_internals.cpu_compat import cpu_compat
     from ..engines.megatron_engine import init_parallel

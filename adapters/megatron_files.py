@@ -36,8 +36,25 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..checkpoint_dir import read_common
+from ..checkpoint_dir import CheckpointError, latest_checkpoint, read_common
 from ..megatron_internals.checkpoint_format import TORCH_DIST_METADATA
+
+class NotAMegatronCheckpoint(ValueError):
+    """Bad input: the path holds no Megatron-Core checkpoint."""
+
+
+def find_checkpoint(path: Path) -> tuple[Path, Path]:
+    """(root, iteration directory) from either a checkpoint root (with `latest`) or one iteration."""
+    if (path / "metadata.json").is_file():
+        return path.parent, path
+    try:
+        it = latest_checkpoint(path) if path.is_dir() else None
+    except CheckpointError as e:
+        raise NotAMegatronCheckpoint(str(e)) from e
+    if it is None:
+        raise NotAMegatronCheckpoint(f"{path} is not a Megatron-Core checkpoint (no metadata.json and no 'latest').")
+    return path, it
+
 
 @dataclasses.dataclass(frozen=True)
 class Slice:

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from ..logits_digest import sample_tokens
+from ..loopback import LOOPBACK, free_port
+from .megatron_files import find_checkpoint
 
 
 def round_weights(module: torch.nn.Module, dtype: torch.dtype | None) -> None:
@@ -46,10 +48,6 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
                     model: dict | None = None, round_to: str | None = None) -> torch.Tensor:
     """Logits of the Megatron-Core model at this layout; `model` overrides the model config
     the checkpoint records (needed for checkpoints that record none)."""
-    from gridwright.launchers.local import free_port
-
-    from .convert import find_checkpoint
-
     _, iteration = find_checkpoint(Path(checkpoint_dir))
     with tempfile.TemporaryDirectory(prefix="gridwright-logits-") as tmp:
         tok_file, out_file = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
@@ -60,7 +58,7 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
             model_args = ["--model", str(Path(tmp) / "model.json")]
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={tp * pp * ep}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            f"--master_addr={LOOPBACK}", f"--master_port={free_port()}",
             "-m", "gridwright.adapters.logits_worker", "--checkpoint", str(iteration),
             "--tokens", str(tok_file), "--out", str(out_file),
             "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),

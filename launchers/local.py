@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from gridwright.process_tree import TOKEN_ENV, end_run_processes, new_token
+from ..process_tree import TOKEN_ENV, end_run_processes, new_token
 
+from ..loopback import LOOPBACK, free_port
 from .agent import LAUNCHER_PIPE_ENV, LOOPBACK_BACKEND, STOP_LINE
 from .environment import worker_env
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def agent_command(cfg, job_dir: Path, port: int) -> list[str]:

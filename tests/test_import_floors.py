@@ -1,0 +1,128 @@
+"""The package's import floors: no module imports from a floor above its own, not even
+inside a function, and no modules import each other in a circle.
+
+    floor 0  configuration and validation, and the plain helpers they use
+             (gridwright.* top-level modules not named below, gridwright.families)
+    floor 1  engines and adapters (gridwright.engines, gridwright.adapters,
+             gridwright.megatron_internals)
+    floor 2  launchers and commands (gridwright.launchers, gridwright.evaluations, cli,
+             __main__, worker, sweep, sync, tracking)
+"""
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGES = ["gridwright", "gridwright.engines", "gridwright.families", "gridwright.megatron_internals",
+            "gridwright.launchers", "gridwright.adapters", "gridwright.evaluations"]
+FLOOR_1 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
+FLOOR_2 = ("gridwright.launchers", "gridwright.evaluations", "gridwright.cli", "gridwright.__main__",
+           "gridwright.worker", "gridwright.sweep", "gridwright.sync", "gridwright.tracking")
+
+
+def floor(module: str) -> int:
+    def under(prefixes):
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+    return 2 if under(FLOOR_2) else 1 if under(FLOOR_1) else 0
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        root = Path(importlib.import_module(pkg).__path__[0])
+        for f in sorted(root.glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return out
+
+
+def imports(name: str, path: Path, known: dict) -> set[str]:
+    """Every gridwright module `name` imports, at any depth of its code (functions too)."""
+    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t.startswith("gridwright") and t != name}
+    return found
+
+
+GRAPH = {name: imports(name, path, modules()) for name, path in modules().items()}
+
+
+def test_every_module_was_read():
+    assert {"gridwright.validation", "gridwright.families.registry", "gridwright.engines.megatron_engine",
+            "gridwright.adapters.convert", "gridwright.launchers.local", "gridwright.cli"} <= set(GRAPH)
+    unknown = {t for targets in GRAPH.values() for t in targets if t not in GRAPH}
+    assert not unknown, f"imports of modules this test does not know: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH))
+def test_no_import_from_a_floor_above(name):
+    upward = sorted(t for t in GRAPH[name] if floor(t) > floor(name))
+    assert not upward, f"{name} (floor {floor(name)}) imports from above: " + ", ".join(
+        f"{t} (floor {floor(t)})" for t in upward)
+
+
+def circles(graph: dict) -> list[list[str]]:
+    """Tarjan's strongly connected components: any with two or more modules is a circle."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_circles():
+    found = circles(GRAPH)
+    assert not found, f"modules importing each other in a circle: {found}"
+    # and the search finds one where there is one
+    looped = dict(GRAPH, **{"gridwright.adapters.verify_logits": GRAPH["gridwright.adapters.verify_logits"] | {
+        "gridwright.adapters.convert"}})
+    assert circles(looped)
+
+
+def test_the_test_catches_an_upward_import():
+    """The walk sees an import inside a function, and the floors rank it."""
+    code = "def f():\n    from ..launchers.local import free_port\n"
+    tree_file = Path(__file__).with_name("_floor_probe.py")
+    try:
+        tree_file.write_text(code)
+        found = imports("gridwright.engines.probe", tree_file, GRAPH)
+    finally:
+        tree_file.unlink()
+    assert found == {"gridwright.launchers.local"} and floor("gridwright.launchers.local") > floor(
+        "gridwright.engines.probe")

@@ -31,6 +31,13 @@ def _configs():
 ARCHITECTURES = tuple(_configs())
 
 
+def has_experts(kind: str) -> bool:
+    """Whether the tiny model `kind` is a mixture of experts (its family says)."""
+    from ..families.registry import FAMILIES
+
+    return next(fam.experts for fam in FAMILIES.values() if kind in fam.tiny)
+
+
 def make_tiny_model(kind: str, out: Path, dtype=torch.float32, seed: int = 0, shard_size: str | None = None) -> Path:
     """Save a randomly initialised model of `kind` to `out`; biases and norms are randomised
     too, so a mapping that swapped or dropped them would show in the logits."""

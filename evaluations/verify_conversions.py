@@ -19,7 +19,7 @@ import torch
 
 from gridwright.adapters.convert import hf_to_megatron, megatron_to_hf
 from gridwright.adapters.hf_files import SafetensorsSource
-from gridwright.adapters.tiny_models import ARCHITECTURES, make_tiny_model
+from gridwright.adapters.tiny_models import ARCHITECTURES, has_experts, make_tiny_model
 from gridwright.adapters.verify_logits import compare_logits
 
 # (TP, PP, VPP, EP): every model at these; EP only where there are experts.
@@ -46,7 +46,7 @@ def main() -> None:
             hf_to_megatron(hf, meg)
             megatron_to_hf(meg, back)
             exact = bit_exact(hf, back)
-            layouts = LAYOUTS + (MOE_LAYOUTS if kind == "mixtral" else [])
+            layouts = LAYOUTS + (MOE_LAYOUTS if has_experts(kind) else [])
             for tp, pp, vpp, ep in layouts:
                 t0 = time.perf_counter()
                 r = compare_logits(hf, meg, tp=tp, pp=pp, vpp=vpp, ep=ep)

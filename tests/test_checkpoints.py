@@ -90,6 +90,11 @@ LAYOUTS = {
     "cp2": ("tiny_llama", ["parallel.cp=2"]),
     "moe_tp2_etp2": ("tiny_mixtral", ["model=tiny_mixtral", "parallel.moe_token_dispatcher=allgather", "parallel.tp=2",
                                       "parallel.sp=true"]),
+    # expert-TP different from TP: expert gradients reduce over the expert DP group
+    # (megatron_internals.fixes.reduce_expert_grads_over_expert_dp)
+    "moe_tp2_etp1": ("tiny_mixtral", ["model=tiny_mixtral", "parallel.moe_token_dispatcher=allgather", "parallel.tp=2",
+                                      "parallel.sp=true", "parallel.etp=1"]),
+    "moe_etp2": ("tiny_mixtral", ["model=tiny_mixtral", "parallel.moe_token_dispatcher=allgather", "parallel.etp=2"]),
 }
 
 
@@ -123,8 +128,8 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name, sin
     1-process run step for step.
 
     Covers TP (with and without SP), PP (1F1B and interleaved), CP, DP with the distributed
-    optimizer and communication overlap, EP, and MoE with TP=ETP=2 + SP: each must be the
-    same mathematics, and
+    optimizer and communication overlap, EP, and MoE with TP=ETP=2 + SP and with an
+    expert-TP different from TP: each must be the same mathematics, and
     the optimizer state must survive the resharding exactly.
     """
     model, layout = LAYOUTS[name]

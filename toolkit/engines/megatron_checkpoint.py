@@ -81,7 +81,8 @@ def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:
 
 
 def _match_optimizer_structure(loaded: dict, target: dict, path: Path) -> dict:
-    """Fit a one-optimizer checkpoint to a chained optimizer (dense + experts, as EP>1 builds).
+    """Fit a one-optimizer checkpoint to a chained optimizer (dense + experts, as EP>1 or an
+    expert-TP different from TP builds).
 
     Tensor states are keyed by parameter and load into either structure; only the
     common part (param groups, step count) follows the saving run's structure.
@@ -94,7 +95,8 @@ def _match_optimizer_structure(loaded: dict, target: dict, path: Path) -> dict:
         return loaded
     if not chained_target or "param_groups" not in loaded:
         raise CheckpointError(
-            f"{path} was saved with a different split into dense and expert optimizers (EP>1 builds two). "
+            f"{path} was saved with a different split into dense and expert optimizers (EP>1 or an "
+            "expert-TP different from TP builds two). "
             "Fix: resume with the saving run's expert layout and ZeRO stage, or set checkpoint.weights_only=true."
         )
     common_step = loaded.get("state", {}).get("common_step")

@@ -20,7 +20,7 @@ from ..profiling import ProfileWindow
 from ..step_metrics import timed_step, write_memory_record
 from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
-from ..megatron_internals.fixes import apply_megatron_fixes
+from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
 from ..machine_probe import transformer_engine_available
 from .megatron_model import build_model_chunks, transformer_config_kwargs
 from .optimizer_schedule import lr_scheduler, optimizer_config
@@ -117,6 +117,7 @@ class MegatronTrainer:
         te = (not self.on_cpu) and transformer_engine_available()
         self.spec_name = "transformer_engine" if te else "local+sdpa"
         chunks = build_model_chunks(cfg, self.tcfg, te)
+        reduce_expert_grads_over_expert_dp(chunks, self.tcfg)  # before DDP and the optimizer
         use_dist_opt = cfg.zero.stage >= 1
         fsdp = cfg.zero.stage == 3  # Megatron-FSDP: parameters, gradients and optimizer sharded
         e = cfg.engine

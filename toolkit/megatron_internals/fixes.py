@@ -14,6 +14,8 @@ CITED = [
     ("transformer/moe/moe_utils.py", "if te_general_gemm is not None"),  # _bind_te_general_gemm
     ("optimizer/distrib_optimizer.py", 'dst_tensors = {"param": main_param, **optim_state}'),  # _skip_step_...
     ("optimizer/distrib_optimizer.py", '                s["step"] = step\n'),  # _untie_adam_steps_after_loading
+    # reduce_expert_grads_over_expert_dp
+    ("tensor_parallel/layers.py", 'setattr(self.weight, "allreduce", not (self.is_expert and self.expert_parallel))'),
 ]
 
 
@@ -25,6 +27,37 @@ def apply_megatron_fixes() -> None:
     _bind_te_general_gemm()
     _skip_step_when_loading_reshardable_optimizer_state()
     _untie_adam_steps_after_loading()
+
+
+def reduce_expert_grads_over_expert_dp(chunks, tcfg) -> int:
+    """tensor_parallel/layers.py:886 and :1209 (the expert linears of the local spec), and
+    likewise extensions/transformer_engine.py:644/:1551 and transformer/moe/experts.py:203,
+    mark an expert parameter `allreduce=False` only when EP > 1. With EP = 1 and an
+    expert-TP degree different from TP, expert weights are then put in DDP's dense buffer
+    (distributed/distributed_data_parallel.py:122) and reduced over the dense DP group
+    instead of the expert DP group: at TP=2+SP/ETP=1 the two TP ranks' halves of the
+    sequence are never summed (each rank keeps ~half the gradient), at TP=1/ETP=2 the two
+    ETP ranks' different shards are summed together. The optimizer splits its dense and
+    expert groups on the same attribute (optimizer/__init__.py:165). Fixed upstream by
+    NVIDIA/Megatron-LM#5916 (commit cd4afffa64, first in core_v0.19.0): experts use the
+    expert groups when EP > 1 or expert-TP != TP. Must run before the DDP wrapper and the
+    optimizer are built. Returns how many parameters it re-marked."""
+    if tcfg.num_moe_experts is None:
+        return 0
+    etp = tcfg.expert_tensor_parallel_size or tcfg.tensor_model_parallel_size
+    if tcfg.expert_model_parallel_size == 1 and etp == tcfg.tensor_model_parallel_size:
+        return 0  # the expert grid is the dense grid: the dense groups are right
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    changed = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for param in module.experts.parameters():  # routed experts, not shared ones
+                    if getattr(param, "allreduce", True):
+                        param.allreduce = False
+                        changed += 1
+    return changed
 
 
 def _bind_te_general_gemm() -> None:

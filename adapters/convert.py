@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -39,8 +40,11 @@ from ..families.hf_config import (
     hf_config_from_model,
     model_config_from_hf,
     read_hf_config,
+    same_model,
     transformers_config,
 )
+from ..megatron_version import OVERRIDE as MEGATRON_OVERRIDE
+from ..megatron_version import version_problem
 from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
 from .logits_worker import layout_run_config
@@ -132,7 +136,9 @@ def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype 
     expected = {name for p in pieces for name in p.hf_names}
     present = src.names()
     derived = {n for n in present if n.endswith(wm.HF_DERIVED_SUFFIXES)}
-    tied_head = {"lm_head.weight"} & present if model["tie_embeddings"] else set()
+    embedding = next(p for p in pieces if p.key == wm.EMBEDDING)
+    head_name = wm.tied_output_hf_name(model)  # what a tied model's file may still carry
+    tied_head = {head_name} & present if model["tie_embeddings"] else set()
     missing = sorted(expected - present)
     unexpected = sorted(present - expected - derived - tied_head)
     problems = []
@@ -151,10 +157,10 @@ def plan_hf_to_megatron(src: SafetensorsSource, model: dict, dtype: torch.dtype 
             if key_dtypes.setdefault(p.key, got_dtype) != got_dtype:
                 problems.append(f"{name} is {got_dtype} but other tensors of {p.key} are {key_dtypes[p.key]}")
     if tied_head and not problems:
-        embedding = next(p for p in pieces if p.key == wm.EMBEDDING)
+        embedding_name = embedding.hf_names[0]
         for a, b in row_blocks(embedding):  # in row blocks: the embedding may be 1 GB
-            if not torch.equal(src.get_rows("lm_head.weight", a, b), src.get_rows("model.embed_tokens.weight", a, b)):
-                problems.append("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight")
+            if not torch.equal(src.get_rows(head_name, a, b), src.get_rows(embedding_name, a, b)):
+                problems.append(f"tie_word_embeddings=true but {head_name} differs from {embedding_name}")
                 break
     if problems:
         raise ConversionError("the source does not match its config.json:\n  - " + "\n  - ".join(problems))
@@ -284,7 +290,7 @@ def _hf_config(root: Path, model: dict, dtype: torch.dtype) -> tuple[dict, bool]
     if (kept / "config.json").is_file():
         original = json.loads((kept / "config.json").read_text())
         try:
-            same = model_config_from_hf(read_hf_config(kept), model["name"]) == model
+            same = same_model(model_config_from_hf(read_hf_config(kept), model["name"]), model)
         except UnsupportedModel:
             same = False
         if same:
@@ -533,6 +539,10 @@ def _digest_verifier(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    untested = version_problem()
+    if untested and os.environ.get(MEGATRON_OVERRIDE) != "1":
+        print(f"error: {untested}", file=sys.stderr)
+        return EXIT_INVALID
     dtype = DTYPES[args.dtype] if args.dtype else None
     check = None
     if args.verify:

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..checkpoint_dir import CheckpointError, latest_checkpoint, read_common
-from ..megatron_internals.checkpoint_format import TORCH_DIST_METADATA
 
 class NotAMegatronCheckpoint(ValueError):
     """Bad input: the path holds no Megatron-Core checkpoint."""
@@ -126,6 +125,10 @@ class _LazySavePlanner(SavePlanner):
 def write_checkpoint(directory: Path, slices: list[Slice], produce: Callable[[int], torch.Tensor],
                      common: dict) -> None:
     """A complete torch_dist checkpoint in `directory` (which must exist and be empty)."""
+    # Imported here: the door's version check then speaks when a checkpoint is written,
+    # after convert.main has refused an untested Megatron-Core in one line.
+    from ..megatron_internals.checkpoint_format import TORCH_DIST_METADATA
+
     with warnings.catch_warnings(), _unwrapped_errors():  # single-process use of DCP is intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp_save(

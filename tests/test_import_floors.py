@@ -10,12 +10,14 @@ inside a function, and no modules import each other in a circle.
 """
 import ast
 import importlib
+import tomllib
 from pathlib import Path
 
 import pytest
 
-PACKAGES = ["gridwright", "gridwright.engines", "gridwright.families", "gridwright.megatron_internals",
-            "gridwright.launchers", "gridwright.adapters", "gridwright.evaluations"]
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+# Every installed package (gridwright.conf holds YAML only).
+PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
 FLOOR_1 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
 FLOOR_2 = ("gridwright.launchers", "gridwright.evaluations", "gridwright.cli", "gridwright.__main__",
            "gridwright.worker", "gridwright.sweep", "gridwright.sync", "gridwright.tracking")
@@ -28,10 +30,13 @@ def floor(module: str) -> int:
     return 2 if under(FLOOR_2) else 1 if under(FLOOR_1) else 0
 
 
+def package_roots() -> dict[str, Path]:
+    return {pkg: Path(importlib.import_module(pkg).__path__[0]) for pkg in PACKAGES}
+
+
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        root = Path(importlib.import_module(pkg).__path__[0])
+    for pkg, root in package_roots().items():
         for f in sorted(root.glob("*.py")):
             out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
     return out
@@ -51,6 +56,9 @@ def imports(name: str, path: Path, known: dict) -> set[str]:
                 parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+            targets = [str(node.args[0].value)]  # importlib.import_module("gridwright.x"), __import__(...)
         else:
             continue
         found |= {t for t in targets if t.startswith("gridwright") and t != name}
@@ -58,6 +66,13 @@ def imports(name: str, path: Path, known: dict) -> set[str]:
 
 
 GRAPH = {name: imports(name, path, modules()) for name, path in modules().items()}
+
+
+def test_every_folder_of_code_is_a_package_read_here():
+    """A module in a folder pyproject does not list would be neither installed nor walked."""
+    roots = set(package_roots().values())
+    folders = {f.parent for root in roots for f in root.rglob("*.py")}
+    assert folders <= roots, f"folders of code that are no listed package: {sorted(map(str, folders - roots))}"
 
 
 def test_every_module_was_read():
@@ -115,14 +130,11 @@ def test_no_circles():
     assert circles(looped)
 
 
-def test_the_test_catches_an_upward_import():
-    """The walk sees an import inside a function, and the floors rank it."""
-    code = "def f():\n    from ..launchers.local import free_port\n"
-    tree_file = Path(__file__).with_name("_floor_probe.py")
-    try:
-        tree_file.write_text(code)
-        found = imports("gridwright.engines.probe", tree_file, GRAPH)
-    finally:
-        tree_file.unlink()
-    assert found == {"gridwright.launchers.local"} and floor("gridwright.launchers.local") > floor(
-        "gridwright.engines.probe")
+def test_the_test_catches_an_upward_import(tmp_path):
+    """The walk sees imports inside a function, in either form, and the floors rank them."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from ..launchers.local import free_port\n"
+                     "    importlib.import_module('gridwright.cli')\n")
+    found = imports("gridwright.engines.probe", probe, GRAPH)
+    assert found == {"gridwright.launchers.local", "gridwright.cli"}
+    assert all(floor(t) > floor("gridwright.engines.probe") for t in found)

@@ -60,9 +60,10 @@ def test_a_local_launch_refuses_an_untested_megatron_core_before_start(tmp_path)
 def test_a_worker_refuses_fp8_without_transformer_engine(compose):
     """Every launcher's worker repeats the FP8 check (only a local launch validates this
     machine before start): a Slurm worker must not train in bf16 under an FP8 config."""
+    from gridwright.machine_probe import transformer_engine_available
     from gridwright.worker import refuse_what_this_machine_cannot_run
 
-    if __import__("gridwright.machine_probe", fromlist=["x"]).transformer_engine_available():
+    if transformer_engine_available():
         pytest.skip("Transformer Engine imports here")
     cfg = compose("cluster=h100_x1", "precision=fp8_tensorwise", "launcher=slurm")
     with pytest.raises(RuntimeError, match="FP8 needs Transformer Engine"):

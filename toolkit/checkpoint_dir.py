@@ -209,9 +209,15 @@ def read_common(path: str | os.PathLike) -> dict:
 
 def model_differences(recorded: dict, model_cfg) -> list[str]:
     """Fields of the model config that differ from the one a checkpoint was written for."""
+    from .families.hf_config import head_dim
+
     out = []
     for key, value in recorded.items():
         if key in MAY_DIFFER or key not in model_cfg:
+            continue
+        if key == "head_dim":  # a size: None means hidden / heads
+            if head_dim(recorded) != head_dim(model_cfg):
+                out.append(f"model.head_dim={head_dim(model_cfg)} (checkpoint: {head_dim(recorded)})")
             continue
         if model_cfg[key] != value:
             out.append(f"model.{key}={model_cfg[key]} (checkpoint: {value})")

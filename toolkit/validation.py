@@ -110,7 +110,7 @@ def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
     if m.ffn_hidden_size % tp:
         out.append(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={tp}.")
     if m.family in FAMILIES:
-        out += family_problems({k: m[k] for k in ("family", "num_experts", "qkv_bias")})
+        out += family_problems(dict(m))
     if m.vocab_size % tp:
         out.append(
             f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (Megatron-Core's "

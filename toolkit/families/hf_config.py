@@ -138,10 +138,24 @@ def family_problems(model: dict) -> list[str]:
                    "Face architecture).")
     fixed = dict({"qkv_bias": False}, **fam.fixed)
     for key, value in fixed.items():
-        if bool(model.get(key)) != value:
+        if model.get(key) != value:
             out.append(f"model.family={fam.name} with model.{key}={model.get(key)}: the {fam.name} family has "
                        f"{key}={value}.")
     return out
+
+
+def head_dim(model) -> int:
+    """The head size: model.head_dim, or hidden_size / heads where it is None (the form
+    model_config_from_hf stores when the two agree)."""
+    return model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+
+
+def same_model(recorded: dict, model: dict) -> bool:
+    """Whether two model configs describe the same model: fields only one of them has (a
+    record written before the field existed) are not compared, and the head size is
+    compared as a size (None and hidden / heads are the same)."""
+    shared = (set(recorded) & set(model)) - {"head_dim"}
+    return all(recorded[k] == model[k] for k in shared) and head_dim(recorded) == head_dim(model)
 
 
 def transformers_config(model: dict):
@@ -176,6 +190,8 @@ def transformers_config(model: dict):
             value = model[value[1:-1]]
         kwargs[key] = value
     config = getattr(transformers, fam.hf_config_class)(**kwargs)
+    if getattr(config, "head_dim", None) not in (None, head_dim(model)):
+        config.head_dim = head_dim(model)  # a class default other than hidden / heads (Qwen3's is 128)
     config.architectures = [fam.hf_architecture]
     return config
 

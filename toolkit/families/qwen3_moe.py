@@ -41,7 +41,7 @@ FAMILY = Family(
                "decoder_sparse_step": 1, "num_experts": "{num_experts}", "num_experts_per_tok": "{moe_router_topk}",
                "router_aux_loss_coef": "{moe_aux_loss_coeff}", "moe_intermediate_size": "{ffn_hidden_size}"},
     megatron={"qk_layernorm": True},
-    tiny={"qwen3_moe": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+    tiny={"qwen3_moe": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                         "norm_topk_prob": True}},
     deepspeed_refusal=DEEPSPEED_LLAMA_ONLY,
 )

@@ -98,6 +98,13 @@ def pieces(model: dict) -> list[Piece]:
     return out + [piece(r, ()) for r in last]
 
 
+def tied_output_hf_name(model: dict) -> str:
+    """The Hugging Face name of the output layer, which a tied model's file may still hold
+    (a copy of the embedding): the family's row that tying drops."""
+    rule = next(r for r in family(model["family"]).weights if r.megatron == "output_layer.weight")
+    return rule.hf_names[0]
+
+
 def global_shapes(model: dict) -> dict[str, tuple[int, ...]]:
     """Megatron-Core key -> global shape (stacked axes first)."""
     L, experts = model["num_layers"], model.get("num_experts") or 0

@@ -40,8 +40,10 @@ def reduce_expert_grads_over_expert_dp(chunks, tcfg) -> int:
     ETP ranks' different shards are summed together. The optimizer splits its dense and
     expert groups on the same attribute (optimizer/__init__.py:165). Fixed upstream by
     NVIDIA/Megatron-LM#5916 (commit cd4afffa64, first in core_v0.19.0): experts use the
-    expert groups when EP > 1 or expert-TP != TP. Must run before the DDP wrapper and the
-    optimizer are built. Returns how many parameters it re-marked."""
+    expert groups when EP > 1 or expert-TP != TP. Only that gradient reduction is ported
+    here; the PR's other part (gradient-norm counting of Transformer Engine experts at
+    EP > 1, TP > 1, ETP = 1) is not: no run here has TE. Must run before the DDP wrapper
+    and the optimizer are built. Returns how many parameters it re-marked."""
     if tcfg.num_moe_experts is None:
         return 0
     etp = tcfg.expert_tensor_parallel_size or tcfg.tensor_model_parallel_size

@@ -44,14 +44,18 @@ def test_an_untested_megatron_core_is_refused_at_import():
     assert "WARNING" in r.stderr and "0.17.0" in r.stderr and "untested" in r.stderr
 
 
-def test_a_local_launch_refuses_an_untested_megatron_core_before_start(tmp_path):
-    """Validation says it in one line with exit 2, and creates nothing."""
-    code = ("import sys, megatron.core; megatron.core.__version__ = '0.15.0'; from gridwright.cli import main; "
+def test_a_local_launch_and_the_converter_refuse_an_untested_megatron_core_before_start(tmp_path):
+    """Each says it in one line with exit 2, and creates nothing."""
+    code = ("import sys, megatron.core; megatron.core.__version__ = '0.15.0'\n"
+            "from gridwright.adapters.convert import main as convert\n"
+            f"print('convert', convert(['hf-to-megatron', '--hf', '{tmp_path}', '--out', '{tmp_path / 'out'}']))\n"
+            "from gridwright.cli import main\n"
             f"sys.argv = ['launch.py', 'tracking=off', 'job_dir={tmp_path / 'job'}']; main()")
     env = {k: v for k, v in os.environ.items() if k != OVERRIDE}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Megatron-Core 0.15.0 is installed" in r.stderr and not (tmp_path / "job").exists()
+    assert r.returncode == 2 and "convert 2" in r.stdout, r.stderr[-2000:]
+    assert r.stderr.count("Megatron-Core 0.15.0 is installed") == 2
+    assert not (tmp_path / "job").exists() and not (tmp_path / "out").exists()
     assert version_problem(TESTED) is None
     with pytest.raises(UntestedMegatronCore, match="0.15.0 is installed"):
         refuse_untested("0.15.0")

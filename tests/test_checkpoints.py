@@ -79,7 +79,7 @@ def test_saving_over_another_runs_checkpoints_is_refused(run_launch, tmp_path):
 
 
 LAYOUTS = {
-    "tp2": ("tiny_llama", ["+experiment=tiny_llama_tp2"]),
+    # TP=2 without SP is tp2_distopt's layout
     "tp2_sp": ("tiny_llama", ["+experiment=tiny_llama_tp2", "parallel.sp=true"]),
     "pp2": ("tiny_llama", ["+experiment=tiny_llama_pp2"]),
     "pp2_vpp2": ("tiny_llama", ["+experiment=tiny_llama_pp2", "parallel.vpp=2"]),

@@ -208,14 +208,15 @@ def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launc
 
 
 def test_engine_trains_from_a_converted_checkpoint(converted, run_launch, tmp_path):
-    root = converted["qwen2"]
-    r = run_launch(f"hydra.searchpath=[file://{root}]", "model=qwen2", f"checkpoint.load={root}",
+    """A converted Qwen3 (QK-norm, head size apart from hidden / heads) trains at TP=2+SP."""
+    root = converted["qwen3"]
+    r = run_launch(f"hydra.searchpath=[file://{root}]", "model=qwen3", f"checkpoint.load={root}",
                    "parallel.tp=2", "parallel.sp=true", "train.steps=3", "tracking=off")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step     2 loss" in r.stdout
     # ... and what it saves from there resumes.
     ckpt = tmp_path / "ckpt"
-    common = [f"hydra.searchpath=[file://{root}]", "model=qwen2", "tracking=off"]
+    common = [f"hydra.searchpath=[file://{root}]", "model=qwen3", "tracking=off"]
     assert run_launch(*common, f"checkpoint.load={root}", f"checkpoint.save={ckpt}", "train.steps=3").returncode == 0
     r = run_launch(*common, f"checkpoint.load={ckpt}", f"checkpoint.save={ckpt}", "train.steps=5")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -223,7 +224,7 @@ def test_engine_trains_from_a_converted_checkpoint(converted, run_launch, tmp_pa
     # The wrong model for that checkpoint is refused before anything starts.
     r = run_launch(f"checkpoint.load={root}", "train.steps=3", "tracking=off")
     assert r.returncode == 2
-    assert "written for another model shape" in r.stderr and "model=qwen2" in r.stderr
+    assert "written for another model shape" in r.stderr and "model=qwen3" in r.stderr
     assert len([p for p in (tmp_path / "jobs").glob("*/*") if p.is_dir()]) == 3  # none for the refused run
 
 

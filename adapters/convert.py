@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
@@ -43,8 +42,7 @@ from ..families.hf_config import (
     same_model,
     transformers_config,
 )
-from ..megatron_version import OVERRIDE as MEGATRON_OVERRIDE
-from ..megatron_version import version_problem
+from ..megatron_version import refusal as megatron_core_refusal
 from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
 from .logits_worker import layout_run_config
@@ -539,8 +537,8 @@ def _digest_verifier(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    untested = version_problem()
-    if untested and os.environ.get(MEGATRON_OVERRIDE) != "1":
+    untested = megatron_core_refusal()
+    if untested:
         print(f"error: {untested}", file=sys.stderr)
         return EXIT_INVALID
     dtype = DTYPES[args.dtype] if args.dtype else None

@@ -47,13 +47,24 @@ def version_problem(version: str | None = None) -> str | None:
             f"{OVERRIDE}=1 to try anyway.")
 
 
+def _overridden() -> bool:
+    return os.environ.get(OVERRIDE) == "1"
+
+
+def refusal(version: str | None = None) -> str | None:
+    """The problem with `version` that stops gridwright, or None: an untested version does
+    not stop it while the override is set (refuse_untested then warns)."""
+    problem = version_problem(version)
+    return None if _overridden() else problem
+
+
 def refuse_untested(version: str | None = None) -> None:
     """Raise UntestedMegatronCore for an untested version, unless the override is set:
     then warn on stderr, once per process, and go on."""
     problem = version_problem(version)
     if problem is None:
         return
-    if os.environ.get(OVERRIDE) != "1":
+    if not _overridden():
         raise UntestedMegatronCore(problem)
     print(f"WARNING: {OVERRIDE}=1: {problem.split(';')[0]}, untested; patches in gridwright.megatron_internals "
           "may no longer fit it. Compare a run against one on the tested release before trusting it.",

@@ -12,8 +12,7 @@ from .families.hf_config import family_problems
 from .families.registry import FAMILIES, family
 from .layout import ParallelLayout
 from .machine_probe import probe
-from .megatron_version import OVERRIDE as MEGATRON_OVERRIDE
-from .megatron_version import version_problem
+from .megatron_version import refusal as megatron_core_refusal
 from .memory_estimate import estimate_memory
 from .model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from .placement import Placement, plan_placement
@@ -218,8 +217,8 @@ def check_megatron_core(cfg, for_launch: bool) -> list[str]:
     machine; other launchers' workers check their own at import of megatron_internals)."""
     if not (for_launch and cfg.launcher.name == "local"):
         return []
-    problem = version_problem()
-    return [problem] if problem and os.environ.get(MEGATRON_OVERRIDE) != "1" else []
+    problem = megatron_core_refusal()
+    return [problem] if problem else []
 
 
 def check_engine(cfg, layout: ParallelLayout) -> list[str]:

@@ -106,15 +106,6 @@ class _GatherSequence(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-def _cp_positions(local_len: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:
-    """Global positions of this rank's tokens: chunks r and 2*CP-1-r of 2*CP (load balance),
-    as Megatron-Core's get_batch_on_this_cp_rank lays them out."""
-    half = local_len // 2
-    first = torch.arange(half, device=device) + cp_rank * half
-    second = torch.arange(half, device=device) + (2 * cp_size - 1 - cp_rank) * half
-    return torch.cat([first, second])
-
-
 class SDPACoreAttention(MegatronModule):
     """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient).
 
@@ -134,11 +125,24 @@ class SDPACoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
-        mask = None
-        if self.cp_size > 1:
-            key, value, mask = self._gather_context(query, key, value)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
-        out = F.scaled_dot_product_attention(
+        if self.cp_size > 1:
+            out = self._context_parallel(q, k, v)
+        else:
+            out = self._sdpa(q, k, v, None)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _sdpa(self, q, k, v, lower_right_causal):
+        """Causal SDPA; `lower_right_causal` = (queries, keys) aligns the causal diagonal to
+        the last key (queries that come after keys[:-queries]), as flash attention does."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = None if lower_right_causal is None else causal_lower_right(*lower_right_causal)
+        if mask is not None and k.shape[1] != q.shape[1]:
+            # The lower-right causal path calls the flash kernel without GQA: give it every head.
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=mask,
             is_causal=mask is None,
@@ -146,26 +150,41 @@ class SDPACoreAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _gather_context(self, query, key, value):
-        """Context parallelism: every rank's keys and values, with a causal mask over
-        global positions. All-gather attention (memory O(s/CP x s)), not ring attention:
-        exact and simple; TE's ring attention is the fast path where TE exists."""
+    def _context_parallel(self, q, k, v):
+        """Context parallelism: every rank's keys and values gathered, then one causal SDPA
+        per local chunk over the keys before it (Megatron-Core's load-balanced layout gives
+        rank r chunks r and 2*CP-1-r of 2*CP, so both halves together see 2*CP+1 chunks of
+        keys on every rank). Each call is a lower-right causal mask, which SDPA's flash and
+        memory-efficient kernels take natively: no S x S mask is ever built. Keys and values
+        are gathered whole (memory O(s) per rank, communication not overlapped), unlike a
+        ring; with GQA they are the small tensors. TE's ring attention is the path where TE
+        exists."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
         rank, size = ps.get_context_parallel_rank(), self.cp_size
-        local = query.shape[0]
-        keys = _GatherSequence.apply(key, group)  # [cp, s_local, b, groups, dim]
-        values = _GatherSequence.apply(value, group)
-        key_pos = torch.cat([_cp_positions(local, r, size, query.device) for r in range(size)])
-        keys = keys.reshape(size * local, *key.shape[1:])
-        values = values.reshape(size * local, *value.shape[1:])
-        query_pos = _cp_positions(local, rank, size, query.device)
-        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [s_local, s], True = attend
-        return keys, values, mask
+        half = q.shape[2] // 2
+        keys = _gather_chunks_in_order(k, group, size)  # [b, groups, s, dim], global order
+        values = _gather_chunks_in_order(v, group, size)
+        outs = []
+        for local, chunk in ((0, rank), (1, 2 * size - 1 - rank)):
+            end = (chunk + 1) * half
+            outs.append(self._sdpa(q[:, :, local * half:(local + 1) * half],
+                                   keys[:, :, :end], values[:, :, :end], (half, end)))
+        return torch.cat(outs, dim=2)
+
+
+def _gather_chunks_in_order(x, group, size):
+    """[b, heads, s_local, dim] of every CP rank -> [b, heads, s, dim] in global order
+    (rank r holds chunks r and 2*CP-1-r)."""
+    parts = _GatherSequence.apply(x.transpose(0, 2), group)  # [cp, s_local, heads, b, dim]
+    half = x.shape[2] // 2
+    chunks = [None] * (2 * size)
+    for r in range(size):
+        chunks[r] = parts[r, :half]
+        chunks[2 * size - 1 - r] = parts[r, half:]
+    return torch.cat(chunks).transpose(0, 2)
 
 
 class TorchRMSNorm(torch.nn.Module):

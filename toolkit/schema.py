@@ -77,6 +77,10 @@ class PrecisionConfig:
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
     fp8_param: bool = False
+    # Whose FP8 matmuls: transformer_engine | torchao (tensorwise and rowwise, dynamic scaling,
+    # inside the torch-native spec; emulated on CPU) | auto (Transformer Engine where it
+    # imports, else torchao for its recipes).
+    fp8_backend: str = "auto"
 
 
 @dataclass
@@ -112,6 +116,13 @@ class EngineConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     bucket_size: Optional[int] = None  # elements per communication bucket; None: Megatron's default
+    # torch.compile each transformer layer (the torch-native spec; fuses norms, SwiGLU,
+    # rotary and casts). Measured default off: CPU runs gain nothing and pay the compile.
+    compile_layers: bool = False
+    # With sequence parallelism on the torch-native spec: fuse SP's all-gather and
+    # reduce-scatter with the neighbouring matmuls through torch's symmetric memory
+    # (gridwright.engines.parallel_linear), as TorchTitan's async TP does.
+    tp_comm_overlap: bool = False
 
 
 @dataclass

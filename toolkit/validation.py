@@ -22,8 +22,10 @@ LAUNCHERS = ("local", "torchrun", "slurm", "plan")
 GPU_REQUESTS = ("auto", "gpus_per_node", "gres", "none")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16", "fp16")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
 FP8_FORMATS = ("e4m3", "hybrid")
+FP8_BACKENDS = ("auto", "transformer_engine", "torchao")
+TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.engines.parallel_linear
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -47,6 +49,7 @@ def check_choices(cfg) -> list[str]:
         ("cluster.device", cfg.cluster.device, DEVICES),
         ("precision.params_dtype", cfg.precision.params_dtype, DTYPES),
         ("precision.fp8_format", cfg.precision.fp8_format, FP8_FORMATS),
+        ("precision.fp8_backend", cfg.precision.fp8_backend, FP8_BACKENDS),
         ("train.recompute", cfg.train.recompute, RECOMPUTE),
         ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
         ("model.family", cfg.model.family, tuple(FAMILIES)),
@@ -175,6 +178,16 @@ def check_batch(cfg, layout: ParallelLayout) -> list[str]:
     return []
 
 
+def fp8_backend(precision, te_available: bool):
+    """Whose FP8 runs: "transformer_engine", "torchao", or None (no FP8). `auto` takes
+    Transformer Engine where it imports, else torchao; rowwise exists only in torchao."""
+    if precision.fp8_recipe is None:
+        return None
+    if precision.fp8_backend == "auto":
+        return "transformer_engine" if te_available and precision.fp8_recipe != "rowwise" else "torchao"
+    return precision.fp8_backend
+
+
 def check_precision(cfg, for_launch: bool) -> list[str]:
     p, gpu, out = cfg.precision, cfg.cluster.gpu, []
     if p.fp8_recipe is None:
@@ -185,12 +198,17 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         out.append(f"FP8 (precision.fp8_recipe={p.fp8_recipe}) is only wired for engine=megatron.")
     if p.params_dtype == "fp32":
         out.append("FP8 training keeps bf16 weights: set precision.params_dtype=bf16.")
+    torchao_asked = p.fp8_backend == "torchao" or p.fp8_recipe == "rowwise"
+    if torchao_asked:
+        out += _torchao_fp8_problems(cfg)
     if cfg.cluster.device != "cuda":
-        out.append(
-            f"FP8 (precision.fp8_recipe={p.fp8_recipe}) needs CUDA GPUs; cluster '{cfg.cluster.name}' "
-            "runs on cpu. Fix: precision=bf16, or a GPU cluster."
-        )
-    elif p.fp8_recipe not in gpu.fp8_recipes:
+        if p.fp8_backend != "torchao":
+            out.append(
+                f"FP8 (precision.fp8_recipe={p.fp8_recipe}) needs CUDA GPUs; cluster '{cfg.cluster.name}' "
+                "runs on cpu. Fix: precision=bf16, a GPU cluster, or precision.fp8_backend=torchao "
+                "(FP8 arithmetic emulated, for tests)."
+            )
+    elif not torchao_asked and p.fp8_recipe not in gpu.fp8_recipes or torchao_asked and not gpu.fp8_recipes:
         supported = ", ".join(gpu.fp8_recipes) or "none"
         out.append(
             f"GPU kind {gpu.name} does not support FP8 recipe '{p.fp8_recipe}' (it supports: {supported}). "
@@ -199,17 +217,68 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         )
     if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
-    local_gpu_launch = for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda"
-    if local_gpu_launch and not probe(transformer_engine=True).transformer_engine:
-        out.append(FP8_WITHOUT_TE)
+    if for_launch and cfg.launcher.name == "local":
+        te = cfg.cluster.device == "cuda" and probe(transformer_engine=True).transformer_engine
+        out += fp8_machine_problems(cfg, te)
     return out
 
 
-# Said before start by a local launch, and by every worker at start (gridwright.worker):
-# a Slurm or torchrun job's nodes are only seen by its workers.
-FP8_WITHOUT_TE = ("FP8 needs Transformer Engine, which cannot be imported here. Megatron-Core would silently train "
-                  "in bf16 while the config says FP8, so gridwright refuses. Fix: install Transformer Engine "
-                  "(CUDA + cuDNN) or use precision=bf16.")
+def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
+    """What this machine lacks for the run's FP8: said before a local launch, and by every
+    worker at start (a Slurm or torchrun job's nodes are seen only by its workers)."""
+    p = cfg.precision
+    backend = fp8_backend(p, te_available)
+    if backend is None or backend == "transformer_engine" and te_available:
+        return []
+    torchao_asked = p.fp8_backend == "torchao" or p.fp8_recipe == "rowwise"
+    if backend == "transformer_engine" or not torchao_available() and not torchao_asked:
+        return [FP8_WITHOUT_TE]
+    if not torchao_available():
+        return [TORCHAO_MISSING]
+    if not torchao_asked:  # auto fell back to torchao: its rules apply now
+        return [FP8_WITHOUT_TE] if p.fp8_recipe not in TORCHAO_FP8_RECIPES else _torchao_fp8_problems(cfg)
+    return []
+
+
+def _torchao_fp8_problems(cfg) -> list[str]:
+    p, out = cfg.precision, []
+    if p.fp8_backend == "transformer_engine":
+        out.append("precision.fp8_recipe=rowwise is torchao's: set precision.fp8_backend=torchao or auto.")
+    elif p.fp8_recipe not in TORCHAO_FP8_RECIPES:
+        out.append(f"precision.fp8_backend=torchao offers the recipes {', '.join(TORCHAO_FP8_RECIPES)}, "
+                   f"not '{p.fp8_recipe}'.")
+    if cfg.model.num_experts:
+        out.append("FP8 through torchao covers dense layers only, not MoE experts: use Transformer Engine "
+                   "or precision=bf16 for an MoE model.")
+    if p.fp8_param:
+        out.append("precision.fp8_param=true is Transformer Engine's (FP8 weights); torchao keeps bf16 weights.")
+    if cfg.engine.tp_comm_overlap:
+        out.append("engine.tp_comm_overlap=true does not combine with FP8 through torchao yet "
+                   "(the fused ops run bf16 matmuls): turn one off.")
+    return out
+
+
+def torchao_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+FP8_WITHOUT_TE = ("FP8 needs Transformer Engine, or torchao for the tensorwise and rowwise recipes, and neither "
+                  "can be imported here. Megatron-Core would silently train in bf16 while the config says FP8, "
+                  "so gridwright refuses. Fix: install Transformer Engine (CUDA + cuDNN) or torchao, "
+                  "or use precision=bf16.")
+TORCHAO_MISSING = "precision.fp8_backend=torchao needs torchao, which is not installed here: pip install torchao."
+
+
+def check_tp_comm_overlap(cfg) -> list[str]:
+    e = cfg.engine
+    if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
+        return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
+                "parallel.tp>1 and parallel.sp=true."]
+    if e.tp_comm_overlap and e.name != "megatron":
+        return ["engine.tp_comm_overlap=true is wired for engine=megatron only."]
+    return []
 
 
 def check_megatron_core(cfg, for_launch: bool) -> list[str]:
@@ -567,6 +636,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_engine(cfg, layout)
         problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
+    problems += check_tp_comm_overlap(cfg)
     problems += check_launcher(cfg, for_launch)
     problems += check_megatron_core(cfg, for_launch)
     problems += check_tracking(cfg)

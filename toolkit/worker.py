@@ -213,10 +213,15 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
     in bf16 while MFU divided by the FP8 peak."""
     from .machine_probe import transformer_engine_available
-    from .validation import FP8_WITHOUT_TE
+    from .validation import fp8_machine_problems
 
-    if cfg.precision.fp8_recipe is not None and cfg.cluster.device == "cuda" and not transformer_engine_available():
-        raise RuntimeError(FP8_WITHOUT_TE)
+    te = cfg.cluster.device == "cuda" and transformer_engine_available()
+    problems = fp8_machine_problems(cfg, te)
+    if te and cfg.engine.tp_comm_overlap:
+        problems.append("engine.tp_comm_overlap=true overlaps the torch-native spec's linears; Transformer Engine "
+                        "imports here, so its spec is used, whose own overlap gridwright does not wire: turn it off.")
+    if problems:
+        raise RuntimeError(" ".join(problems))
 
 
 def train(job_dir: Path) -> int:

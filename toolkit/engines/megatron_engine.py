@@ -22,7 +22,7 @@ from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
 from ..machine_probe import transformer_engine_available
-from .megatron_model import build_model_chunks, transformer_config_kwargs
+from .megatron_model import build_model_chunks, choose_torch_native_paths, compile_layers, transformer_config_kwargs
 from .optimizer_schedule import lr_scheduler, optimizer_config
 
 
@@ -113,10 +113,12 @@ class MegatronTrainer:
         torch.manual_seed(t.seed)
         model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu)
 
-        self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
         te = (not self.on_cpu) and transformer_engine_available()
-        self.spec_name = "transformer_engine" if te else "local+sdpa"
+        self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
+        self.spec_name = choose_torch_native_paths(cfg, self.tcfg, te)
         chunks = build_model_chunks(cfg, self.tcfg, te)
+        if cfg.engine.compile_layers and not te:
+            compile_layers(chunks)
         reduce_expert_grads_over_expert_dp(chunks, self.tcfg)  # before DDP and the optimizer
         use_dist_opt = cfg.zero.stage >= 1
         fsdp = cfg.zero.stage == 3  # Megatron-FSDP: parameters, gradients and optimizer sharded

@@ -10,12 +10,15 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
+from ..validation import fp8_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_config_kwargs(cfg, layout) -> dict:
-    """Keyword arguments for megatron.core.transformer.TransformerConfig."""
+def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
+    """Keyword arguments for megatron.core.transformer.TransformerConfig. FP8 appears in
+    them only when Transformer Engine runs it; torchao's FP8 lives in the layers
+    (choose_torch_native_paths)."""
     m, p, t = cfg.model, cfg.precision, cfg.train
     on_cpu = cfg.cluster.device == "cpu"
     dtype = DTYPES[p.params_dtype]
@@ -72,7 +75,7 @@ def transformer_config_kwargs(cfg, layout) -> dict:
         kw.update(recompute_granularity="selective")
     elif t.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if p.fp8_recipe is not None:
+    if fp8_backend(p, te_available) == "transformer_engine":
         kw.update(
             fp8=p.fp8_format,
             fp8_recipe=p.fp8_recipe,
@@ -207,6 +210,38 @@ class TorchRMSNorm(torch.nn.Module):
         return out.to(x.dtype)
 
 
+def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> str:
+    """Record on the TransformerConfig which torch-native replacements the layers use (read
+    by gridwright.engines.parallel_linear) and return the spec's name for the summary, e.g.
+    "local+sdpa+compiled+tp_overlap+float8_tensorwise(torchao)"."""
+    if te_available:
+        return "transformer_engine"
+    name = "local+sdpa"
+    if cfg.engine.compile_layers:
+        name += "+compiled"
+    tcfg.gridwright_tp_comm_overlap = bool(cfg.engine.tp_comm_overlap and cfg.parallel.sp)
+    if tcfg.gridwright_tp_comm_overlap:
+        name += "+tp_overlap"
+    tcfg.gridwright_float8 = None
+    if fp8_backend(cfg.precision, te_available) == "torchao":
+        from .parallel_linear import float8_setup
+
+        emulate = cfg.cluster.device == "cpu"
+        tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=emulate)
+        name += f"+float8_{cfg.precision.fp8_recipe}(torchao{', emulated' if emulate else ''})"
+    return name
+
+
+def compile_layers(chunks) -> None:
+    """torch.compile every transformer layer in place (`nn.Module.compile`: parameter names,
+    and so checkpoints, stay as they are). Per layer rather than the whole model: the
+    pipeline schedules call the model chunk by chunk, and one layer's graph is reused by
+    every layer of the same shape."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            layer.compile()
+
+
 def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
     """Transformer Engine's spec when TE imports; else a torch-native one (SDPA, TorchRMSNorm).
 
@@ -230,6 +265,14 @@ def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
         spec.submodules.self_attention.submodules.k_layernorm = TorchRMSNorm
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if getattr(tcfg, "gridwright_tp_comm_overlap", False) or getattr(tcfg, "gridwright_float8", None):
+        from .parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
+
+        attention = spec.submodules.self_attention.submodules
+        attention.linear_qkv, attention.linear_proj = GridwrightColumnParallelLinear, GridwrightRowParallelLinear
+        if not num_experts:  # experts keep Megatron-Core's (validation refuses torchao FP8 with MoE)
+            mlp = spec.submodules.mlp.submodules
+            mlp.linear_fc1, mlp.linear_fc2 = GridwrightColumnParallelLinear, GridwrightRowParallelLinear
     layers = get_num_layers_to_build(tcfg, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchRMSNorm)
 

@@ -1,0 +1,185 @@
+"""The torch-native spec's column- and row-parallel linear layers: Megatron-Core's, with two
+optional replacements where Transformer Engine is absent.
+
+* `tp_comm_overlap` (sequence parallelism): the all-gather before a column-parallel matmul
+  and the reduce-scatter after a row-parallel one are fused with the matmul through torch's
+  symmetric-memory ops (`torch.ops.symm_mem.fused_all_gather_matmul` and
+  `fused_matmul_reduce_scatter`), the way TorchTitan's async TP does it: the matmul is cut
+  into one piece per rank and each piece runs while the next shard is copied. The backward
+  uses the same two ops the other way round. Those ops exist for CUDA only; on CPU the same
+  autograd functions run the plain collective and matmul, so the CPU tests check their
+  arithmetic (saved tensors, gradients) against one process.
+* `fp8` (torchao): the matmul itself in float8 through torchao's
+  `matmul_with_hp_or_float8_args` (dynamic tensorwise or rowwise scaling, forward and
+  backward), the function torchao's own `Float8Linear` calls. Only the local matmul
+  changes: the tensor-parallel communication stays Megatron-Core's (in bf16).
+
+Parameter names, shapes and sharding are Megatron-Core's, so checkpoints do not change.
+Why not torchao's `convert_to_float8_training`: it swaps `nn.Linear` modules, and
+Megatron-Core's parallel linears are not `nn.Linear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's dynamic-scaling recipes offered here
+
+
+def float8_setup(recipe: str, emulate: bool = False):
+    """torchao's Float8LinearConfig of a recipe and the matching LinearMMConfig.
+    `emulate`: float8 arithmetic emulated in high precision (CPU tests)."""
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if emulate:
+        import dataclasses
+
+        config = dataclasses.replace(config, emulate=True)
+    mm = [ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim)
+          for g in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)]
+    return config, LinearMMConfig(*mm)
+
+
+def _matmul(x, weight, fp8):
+    """x @ weight.T, in float8 through torchao when `fp8` is (config, mm_config)."""
+    if fp8 is None:
+        return torch.matmul(x, weight.t())
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    config, mm_config = fp8
+    return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+
+
+# The two communicating matmuls -------------------------------------------------------------
+def _symmetric_memory_ops(group):
+    """torch's fused ops and the group's name, or None where they cannot run (CPU)."""
+    if not torch.cuda.is_available() or dist.get_backend(group) != "nccl":
+        return None
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+
+    if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+        with warnings.catch_warnings():  # deprecated (a no-op) in newer torch, needed in older
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    return torch.ops.symm_mem, group.group_name
+
+
+def all_gather_matmul(shard, weight, group):
+    """(all_gather(shard) along dim 0, all_gather(shard) @ weight.T); `shard` is 2-D."""
+    ops = _symmetric_memory_ops(group)
+    if ops is not None:
+        symm, name = ops
+        gathered, (out,) = symm.fused_all_gather_matmul(shard, [weight.t()], 0, name)
+        return gathered, out
+    gathered = shard.new_empty((shard.shape[0] * group.size(), shard.shape[1]))
+    dist.all_gather_into_tensor(gathered, shard.contiguous(), group=group)
+    return gathered, torch.matmul(gathered, weight.t())
+
+
+def matmul_reduce_scatter(x, weight_t, group):
+    """reduce_scatter(x @ weight_t) along dim 0 (sum); `x` is 2-D."""
+    ops = _symmetric_memory_ops(group)
+    if ops is not None:
+        symm, name = ops
+        return symm.fused_matmul_reduce_scatter(x, weight_t, "sum", 0, name)
+    full = torch.matmul(x, weight_t)
+    out = full.new_empty((full.shape[0] // group.size(), full.shape[1]))
+    dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+    return out
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    """Column-parallel matmul under SP: y = all_gather(x) @ W.T, x [s/tp, b, h].
+    Backward: dx = reduce_scatter(dy @ W), dW = dy.T @ all_gather(x) (kept from forward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        s, b, h = x.shape
+        gathered, out = all_gather_matmul(x.reshape(s * b, h), weight, group)
+        ctx.save_for_backward(gathered, weight)
+        ctx.group, ctx.shape = group, x.shape
+        return out.view(s * group.size(), b, -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gathered, weight = ctx.saved_tensors
+        grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = matmul_reduce_scatter(grad_out, weight, ctx.group)
+        grad_weight = torch.matmul(grad_out.t(), gathered)
+        return grad_x.view(ctx.shape), grad_weight, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    """Row-parallel matmul under SP: y = reduce_scatter(x @ W.T), x [s, b, h/tp].
+    Backward: all_gather(dy) and dx = all_gather(dy) @ W in one op; dW = all_gather(dy).T @ x."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        s, b, h = x.shape
+        flat = x.reshape(s * b, h)
+        ctx.save_for_backward(flat, weight)
+        ctx.group, ctx.shape = group, x.shape
+        return matmul_reduce_scatter(flat, weight.t(), group).view(s // group.size(), b, -1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flat, weight = ctx.saved_tensors
+        grad_full, grad_x = all_gather_matmul(grad_out.reshape(-1, grad_out.shape[-1]), weight.t(), ctx.group)
+        grad_weight = torch.matmul(grad_full.t(), flat)
+        return grad_x.view(ctx.shape), grad_weight, None
+
+
+# The layers --------------------------------------------------------------------------------
+def _choices(config):
+    """(overlap, fp8) for a layer, read from attributes gridwright sets on the config."""
+    return getattr(config, "gridwright_tp_comm_overlap", False), getattr(config, "gridwright_float8", None)
+
+
+class GridwrightColumnParallelLinear(ColumnParallelLinear):
+    """Megatron-Core's ColumnParallelLinear; the matmul (and SP's all-gather) replaced as the
+    module docstring says."""
+
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                      sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
+        overlap, fp8 = _choices(self.config)
+        if not weight.requires_grad or not (overlap and sequence_parallel or fp8):
+            return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                                         sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)
+        if sequence_parallel and fp8 is None:  # overlap
+            out = _AllGatherMatmul.apply(input, weight, self.tp_group)
+        else:
+            if sequence_parallel:  # fp8 with SP: Megatron-Core's gather, then the float8 matmul
+                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+                input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                             group=self.tp_group)
+            elif allreduce_dgrad:  # what the fused function does in its backward
+                input = copy_to_tensor_model_parallel_region(input, group=self.tp_group)
+            out = _matmul(input, weight, fp8)
+        return out if bias is None else out + bias
+
+
+class GridwrightRowParallelLinear(RowParallelLinear):
+    """Megatron-Core's RowParallelLinear; the matmul (and SP's reduce-scatter) replaced as the
+    module docstring says."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        overlap, fp8 = _choices(self.config)
+        if fp8 is None or not weight.requires_grad:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return _matmul(input, weight, fp8)
+
+    def forward(self, input_):
+        overlap, fp8 = _choices(self.config)
+        if not (overlap and self.sequence_parallel and fp8 is None and not self.explicit_expert_comm):
+            return super().forward(input_)
+        out = _MatmulReduceScatter.apply(input_, self.weight, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None

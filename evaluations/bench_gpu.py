@@ -1,10 +1,18 @@
-"""Training throughput, MFU and memory of both engines on the local GPU(s).
+"""Training throughput, MFU, exposed communication and memory on the local GPU(s).
 
-    python -m gridwright.evaluations.bench_gpu [--out DIR] [--only NAME ...]
+    python -m gridwright.evaluations.bench_gpu [--suite performance|engines|all] [--only NAME ...]
 
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
-steps after the first. The GPU kind is read from the device and written with the
-numbers: compare only rows from the same card and the same invocation.
+steps after the first, leaving out the two steps traced with torch.profiler, whose traces
+give each case's compute, exposed communication per parallel group and overlap
+(gridwright.trace_analysis). MFU is given under both definitions (Megatron-LM's, causal
+attention halved, and PaLM's); FP8 rows also against the bf16 peak. The GPU kind is read
+from the device and written with the numbers: compare only rows from the same card and
+the same invocation.
+
+The `performance` suite (the default) runs each layout as it was (`..._base`: the
+torch-native spec uncompiled, Megatron-Core's SP communication) and with the faster
+paths of issue 13: compiled layers, async TP, FP8 through torchao.
 """
 from __future__ import annotations
 
@@ -19,16 +27,41 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3"]
+COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3",
+          "evaluate.profile_steps=[10,12]"]
+FAST = ["engine.compile_layers=true"]
+TP_FAST = FAST + ["engine.tp_comm_overlap=true"]
 # name: (GPUs, overrides)
-BENCH_2GPU = ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=12"]
+BENCH_2GPU = ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=14"]
+BENCH_1GPU = ["+experiment=bench_gpu", "train.steps=14"]
 LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_length=4096",
-             "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=10"]
-CASES = {
-    "bench_1b_1gpu": (1, ["+experiment=bench_gpu", "train.steps=12"]),
-    "bench_1b_dp2_overlap": (2, BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]),
+             "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14"]
+DP2_OVERLAP = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]
+LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
+# FP8 against bf16 over 200 steps (loss) on both GPUs (DP=2), compiled like the fast rows.
+LOSS_200 = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "train.steps=200", "train.global_batch_size=8",
+                         "evaluate.profile_steps=null"] + FAST
+PERFORMANCE = {
+    "bench_1b_1gpu_base": (1, BENCH_1GPU),
+    "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
+    "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=4"]),
+    "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
+    "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
+    "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP),
+    "bench_1b_dp2_overlap": (2, DP2_OVERLAP + FAST),
+    "bench_1b_tp2_sp_base": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
+    "bench_1b_tp2_sp_compiled": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"] + FAST),
+    "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"] + TP_FAST),
+    "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"]),
+    "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
+    "bench_1b_cp2_conn8": (2, BENCH_2GPU + ["parallel.cp=2", "engine.cuda_device_max_connections=8"] + FAST),
+    "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
+    "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
+    "bench_1b_dp2_bf16_200_steps": (2, LOSS_200),
+    "bench_1b_dp2_fp8_tensorwise_200_steps": (2, LOSS_200 + ["precision=fp8_tensorwise"]),
+}
+ENGINES = {
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
-    "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
     # The same model under DeepSpeed (issue 11): a Hugging Face Llama drawn by Megatron-Core's
     # init rules for ZeRO 1-3 and offload; Megatron-Core's GPTModel (the very weights of the
     # Megatron engine's TP=2 run, same seed) for ZeRO-1 over TP=2.
@@ -41,9 +74,6 @@ CASES = {
     "bench_1b_ds_zero2_offload": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage2_offload"]),
     "bench_1b_pp2": (2, BENCH_2GPU + ["parallel.pp=2"]),
     "bench_1b_pp2_vpp2": (2, BENCH_2GPU + ["parallel.pp=2", "parallel.vpp=2"]),
-    "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"]),
-    "llama3_8b_16l_tp2_sp": (2, LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16",
-                                             "train.recompute=selective", "name=llama3_8b_16l_tp2_sp"]),
     "llama3_8b_8l_dp2": (2, LLAMA3_8B + ["model.num_layers=8", "engine.overlap_grad_reduce=true",
                                          "name=llama3_8b_8l_dp2"]),
     "mixtral_4l_ep2": (2, ["model=mixtral_8x7b", "cluster=h100_x2", "zero=stage1", "parallel.ep=2",
@@ -62,6 +92,7 @@ CASES = {
                                           "engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true",
                                           "name=llama3_8b_16l_dp4"]),
 }
+SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "all": {**PERFORMANCE, **ENGINES}}
 
 
 def device_overrides() -> list[str]:
@@ -120,11 +151,26 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     summary = job_dir / "summary.json"
     if proc.returncode == 0 and summary.exists():
         s = json.loads(summary.read_text())
-        last = json.loads((job_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        history = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+        last, losses = history[-1], [h["loss"] for h in history]
+        comm = s.get("communication") or {}
+        from omegaconf import OmegaConf
+
+        bf16_peak = OmegaConf.load(job_dir / "config.yaml").cluster.gpu.peak_bf16_tflops
         row.update(
             tokens_per_s_per_gpu=s["tokens_per_s_per_gpu"],
             mfu=s.get("mfu"),
             mfu_palm=s.get("mfu_palm"),
+            peak_kind=s.get("peak_kind"),
+            # FP8 runs: MFU also against the bf16 peak (the toolkit's `mfu` uses the FP8 peak)
+            mfu_vs_bf16_peak=(s["tokens_per_s_per_gpu"] * s["flops_per_token"]["megatron"] / 1e12 / bf16_peak)
+            if bf16_peak and s.get("peak_kind") == "fp8" else None,
+            loss_last10_mean=sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+            exposed_comm_ms=_ms(comm.get("exposed_comm_s")),
+            comm_ms=_ms(comm.get("comm_s")),
+            overlap_pct=comm.get("overlap_pct"),
+            exposed_ms_by_group={g: _ms(v.get("exposed_s")) for g, v in (comm.get("by_group") or {}).items()},
+            traced_step_ms=_ms(comm.get("step_s")),
             step_time_s=s["mean_step_time_s"],
             first_loss=s["first_loss"],
             last_loss=s["last_loss"],
@@ -136,6 +182,10 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     return row
 
 
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
 def _layout(job_dir: Path) -> str:
     doc = json.loads((job_dir / "placement.json").read_text())["layout"]
     extra = (" SP" if doc["sp"] else "") + (f" VPP={doc['vpp']}" if doc["vpp"] else "")
@@ -143,22 +193,31 @@ def _layout(job_dir: Path) -> str:
 
 
 def table(rows: list[dict], card: str) -> str:
+    groups = sorted({g for r in rows for g in r.get("exposed_ms_by_group") or {}})
     lines = [
         f"GPU: {card}",
         "",
-        "| case | engine | GPUs | layout | tokens/s/GPU | MFU (megatron) | MFU (palm) | step s | max alloc GiB | loss first→last | spec | placement checked |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "MFU: model FLOPs / peak; `megatron` halves causal attention (Megatron-LM), `palm` counts it in full. "
+        "FP8 rows divide by the FP8 peak, and also by the bf16 peak (column `MFU megatron / bf16 peak`). "
+        "Exposed communication: NCCL time with no compute on the GPU, mean of 2 traced steps over ranks.",
+        "",
+        "| case | GPUs | layout | spec | tokens/s/GPU | MFU (megatron) | MFU (palm) | MFU megatron / bf16 peak "
+        "| step s | comm ms | exposed comm ms | " + "".join(f"exposed {g} ms | " for g in groups)
+        + "overlap % | max alloc GiB | loss first→last (mean of last 10) |",
+        "| --- " * (13 + len(groups)) + "|",
     ]
+    f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r.get('engine', 'megatron')} | {r['gpus']} | failed (exit {r['exit_code']}) "
-                         "| | | | | | | | |")
+            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (10 + len(groups)))
             continue
-        mfu = " | ".join(f"{r[k]:.1%}" if r.get(k) is not None else "n/a" for k in ("mfu", "mfu_palm"))
         lines.append(
-            f"| {r['case']} | {r.get('engine', 'megatron')} | {r['gpus']} | {r['layout']} | {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | "
-            f"{r['step_time_s']:.3f} | {r['memory_max_allocated_gib']:.1f} | "
-            f"{r['first_loss']:.2f}→{r['last_loss']:.2f} | {r['layer_spec']} | {r['placement_verified']} |"
+            f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"{f(r['mfu'], '.1%')} | {f(r['mfu_palm'], '.1%')} | {f(r.get('mfu_vs_bf16_peak'), '.1%')} | "
+            f"{r['step_time_s']:.3f} | {f(r.get('comm_ms'), '.1f')} | {f(r.get('exposed_comm_ms'), '.1f')} | "
+            + "".join(f"{f((r.get('exposed_ms_by_group') or {}).get(g), '.1f')} | " for g in groups)
+            + f"{f(r.get('overlap_pct'), '.1f')} | {f(r['memory_max_allocated_gib'], '.1f')} | "
+            f"{r['first_loss']:.2f}→{r['last_loss']:.2f} ({f(r.get('loss_last10_mean'), '.3f')}) |"
         )
     return "\n".join(lines)
 
@@ -168,6 +227,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
+    ap.add_argument("--suite", choices=sorted(SUITES), default="performance")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--same-weights", action="store_true",
                     help="start every case from one draw of the weights, as a Hugging Face folder and its "
@@ -179,21 +239,27 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     weights = write_same_weights(jobs) if args.same_weights else None
-    rows = []
-    for name, (gpus, overrides) in CASES.items():
+    rows, stamp = [], datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    for name, (gpus, overrides) in SUITES[args.suite].items():
         if args.only and name not in args.only:
             continue
         if gpus > n:
             print(f"skip {name}: needs {gpus} GPUs, {n} present")
             continue
         rows.append(run_case(name, gpus, overrides + start_from(overrides, weights), jobs, device_overrides()))
+        write_results(args.out, stamp, rows, card, n)  # after every case: a cut-short call keeps the rest
+    print(write_results(args.out, stamp, rows, card, n), flush=True)
+
+
+def write_results(out: Path, stamp: str, rows: list[dict], card: str, n: int) -> str:
+    import torch
+
     text = table(rows, f"{n} x {card}, torch {torch.__version__}")
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    (args.out / f"bench_gpu_{stamp}.md").write_text(
-        f"# bench_gpu, {stamp}\n\nCommand: `python -m gridwright.evaluations.bench_gpu`\n\n{text}\n")
-    (args.out / f"bench_gpu_{stamp}.json").write_text(json.dumps({"card": card, "gpus": n, "rows": rows}, indent=1))
+    command = "python -m gridwright.evaluations.bench_gpu " + " ".join(sys.argv[1:])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench_gpu_{stamp}.md").write_text(f"# bench_gpu, {stamp}\n\nCommand: `{command.strip()}`\n\n{text}\n")
+    (out / f"bench_gpu_{stamp}.json").write_text(json.dumps({"card": card, "gpus": n, "rows": rows}, indent=1))
+    return text
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ NCCL_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
-    # Megatron-Core orders TP/SP communication before compute on one connection.
-    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
 }
 
 
@@ -16,9 +14,19 @@ def worker_env(cfg) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if cfg.cluster.device == "cuda":
         env.update(NCCL_ENV)
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max_connections(cfg.engine))
     else:  # DeepSpeed otherwise looks for an accelerator and warns that it found none
         env["DS_ACCELERATOR"] = "cpu"
         # One thread per rank: ranks share the cores, and oversubscribed threads made a
         # CPU step 9x slower (5.36 s vs 0.60 s measured with two ranks on 2 cores).
         env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def max_connections(engine) -> int:
+    """Megatron-Core orders TP/SP communication before compute on one connection; the
+    symmetric-memory overlap (engine.tp_comm_overlap) needs its copy streams to run beside
+    compute, which one connection serialises."""
+    if engine.cuda_device_max_connections is not None:
+        return engine.cuda_device_max_connections
+    return 8 if engine.tp_comm_overlap else 1

@@ -123,6 +123,11 @@ class EngineConfig:
     # reduce-scatter with the neighbouring matmuls through torch's symmetric memory
     # (gridwright.engines.parallel_linear), as TorchTitan's async TP does.
     tp_comm_overlap: bool = False
+    # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: 1, which
+    # Megatron-Core's SP and gradient overlap rely on to order communication before compute,
+    # except with tp_comm_overlap, whose copy-engine transfers need queues of their own (8,
+    # CUDA's default).
+    cuda_device_max_connections: Optional[int] = None
 
 
 @dataclass

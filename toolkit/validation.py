@@ -273,6 +273,8 @@ TORCHAO_MISSING = "precision.fp8_backend=torchao needs torchao, which is not ins
 
 def check_tp_comm_overlap(cfg) -> list[str]:
     e = cfg.engine
+    if e.cuda_device_max_connections is not None and not 1 <= e.cuda_device_max_connections <= 32:
+        return [f"engine.cuda_device_max_connections={e.cuda_device_max_connections} must be 1 to 32 (or null)."]
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]

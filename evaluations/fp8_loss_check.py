@@ -1,0 +1,77 @@
+"""FP8 through torchao against bf16: the loss after N steps and the speed, side by side.
+
+    python -m gridwright.evaluations.fp8_loss_check [--steps 200] [--recipes tensorwise rowwise]
+
+Runs the bench model on one GPU per precision at once (GPU 0 bf16, GPU 1 the first FP8
+recipe, and so on: as many runs as GPUs), both compiled (torchao's float8 casts are fast
+only compiled), from the same seed and data, and writes a table of the mean loss of the
+last 10 steps, its difference from bf16, and tokens/s against bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--recipes", nargs="*", default=["tensorwise"])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
+    args = ap.parse_args()
+    card, jobs = torch.cuda.get_device_name(0), Path(tempfile.mkdtemp(prefix="fp8_loss_"))
+    precisions = ["bf16"] + [f"fp8_{r}" for r in args.recipes][: torch.cuda.device_count() - 1]
+    procs = {}
+    for gpu, precision in enumerate(precisions):
+        cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={precision}", "tracking=off",
+               f"train.steps={args.steps}", "train.global_batch_size=4", "train.warmup_steps=20",
+               "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}", f"job_dir={jobs / precision}"]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        print("+", " ".join(cmd), flush=True)
+        procs[precision] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows = {}
+    for precision, proc in procs.items():
+        out = proc.communicate()[0]
+        if proc.returncode:
+            print(out[-4000:], flush=True)
+            continue
+        job = jobs / precision
+        s = json.loads((job / "summary.json").read_text())
+        losses = [json.loads(line)["loss"] for line in (job / "metrics.jsonl").read_text().splitlines()]
+        rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
+                               spec=s.get("layer_spec"))
+    base = rows.get("bf16")
+    lines = [f"GPU: 1 x {card} per run (runs side by side), torch {torch.__version__}; bench model, sequence 4096, "
+             f"global batch 4, {args.steps} steps, compiled layers", "",
+             "| precision | spec | mean loss, last 10 steps | vs bf16 | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for precision in precisions:
+        r = rows.get(precision)
+        if r is None:
+            lines.append(f"| {precision} | failed | | | | | |")
+            continue
+        rel = f"{(r['loss10'] / base['loss10'] - 1):+.2%}" if base else ""
+        speed = f"{r['tokens'] / base['tokens']:.2f}x" if base else ""
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {r['tokens']:,.0f} | {speed} | {mfu} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"fp8_loss_check_{stamp}.md").write_text(
+        f"# fp8_loss_check, {stamp}\n\nCommand: `python -m gridwright.evaluations.fp8_loss_check "
+        f"{' '.join(sys.argv[1:])}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

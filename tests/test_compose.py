@@ -86,6 +86,9 @@ def test_fp8_recipes_map_to_transformer_config(compose):
     assert tc.fp8_amax_history_len == 1024 and tc.fp8_amax_compute_algo == "max"
     cfg = compose("+experiment=bench_gpu")
     assert TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))).fp8 is None
+    # Without Transformer Engine, torchao runs tensorwise inside the layers: no TE FP8 in the config
+    cfg = compose("+experiment=bench_gpu", "precision=fp8_tensorwise")
+    assert "fp8" not in transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
 
 
 def test_recompute_and_moe_map_to_transformer_config(compose):

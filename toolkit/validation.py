@@ -217,7 +217,7 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         )
     if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
-    if for_launch and cfg.launcher.name == "local":
+    if for_launch and cfg.launcher.name == "local" and (cfg.cluster.device == "cuda" or p.fp8_backend == "torchao"):
         te = cfg.cluster.device == "cuda" and probe(transformer_engine=True).transformer_engine
         out += fp8_machine_problems(cfg, te)
     return out

@@ -1,0 +1,75 @@
+"""The torch-native spec's faster paths on CPU: FP8 through torchao (emulated), compiled
+layers, and the worker environment they need. (Async TP is exact against one process in
+test_checkpoints' tp2_sp_overlap layout; CP's lower-right causal SDPA in its cp2 layout.)"""
+import json
+
+import pytest
+import torch
+
+from gridwright.compose import compose_config
+from gridwright.engines.parallel_linear import _matmul, float8_setup
+from gridwright.launchers.environment import worker_env
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_matmul_is_float8_and_close(recipe):
+    """torchao's float8 matmul, forward and both gradients: e4m3/e5m2 rounding is visible
+    (so float8 really ran) and stays at float8's few per cent (so nothing is mis-scaled)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(96, 64) * 0.02).to(torch.bfloat16).requires_grad_()
+    y, y_ref = _matmul(x, w, float8_setup(recipe, emulate=True)), _matmul(x, w, None)
+    g = torch.randn_like(y_ref)
+    grads = torch.autograd.grad(y, (x, w), g)
+    grads_ref = torch.autograd.grad(y_ref, (x, w), g)
+    for got, ref in ((y, y_ref), *zip(grads, grads_ref)):
+        assert got.shape == ref.shape
+        assert 0.005 < _rel(got, ref) < 0.1
+
+
+def _losses(job):
+    return [json.loads(line)["loss"] for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchao_fp8_trains_at_tp2_sp(run_launch, tmp_path):
+    """precision=fp8_rowwise at TP=2+SP: the summary names the float8 path, and the losses
+    follow the bf16 run closely without being equal to it."""
+    runs = {}
+    for name, precision in (("bf16", "precision=bf16"), ("fp8", "precision=fp8_rowwise")):
+        job = tmp_path / name
+        result = run_launch("+experiment=tiny_llama_tp2", "parallel.sp=true", precision, "tracking=off",
+                            "train.steps=4", f"job_dir={job}")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = job
+    spec = json.loads((runs["fp8"] / "summary.json").read_text())["layer_spec"]
+    assert spec == "local+sdpa+float8_rowwise(torchao, emulated)"
+    bf16, fp8 = _losses(runs["bf16"]), _losses(runs["fp8"])
+    assert fp8 != bf16
+    assert all(abs(a / b - 1) < 0.02 for a, b in zip(fp8, bf16))
+
+
+def test_compiled_layers_match_eager(run_launch, tmp_path):
+    """engine.compile_layers=true (inductor on CPU) gives the eager run's losses."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["engine.compile_layers=true"])):
+        job = tmp_path / name
+        result = run_launch("cluster.gpus_per_node=1", "tracking=off", "train.steps=4", *extra, f"job_dir={job}",
+                            timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = _losses(job)
+    assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["layer_spec"] == "local+sdpa+compiled"
+    assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-5)
+
+
+def test_worker_connections_follow_tp_overlap():
+    """One CUDA connection orders Megatron-Core's SP communication; the symmetric-memory
+    overlap needs its copy streams beside compute (8), and the key overrides both."""
+    gpu = ["cluster=h100_x2", "+experiment=bench_gpu", "parallel.tp=2", "parallel.sp=true"]
+    assert worker_env(compose_config(gpu))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert worker_env(compose_config(gpu + ["engine.tp_comm_overlap=true"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    assert worker_env(compose_config(gpu + ["engine.cuda_device_max_connections=4"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in worker_env(compose_config([]))

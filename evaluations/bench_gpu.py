@@ -17,13 +17,14 @@ paths of issue 13: compiled layers, async TP, FP8 through torchao.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from gridwright.evaluations.results_file import stamp_now, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,10 @@ PERFORMANCE = {
     "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=4"]),
     "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
+    "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise", "train.micro_batch_size=4"]),
     "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP),
     "bench_1b_dp2_overlap": (2, DP2_OVERLAP + FAST),
+    "bench_1b_dp2_overlap_mb4": (2, DP2_OVERLAP + FAST + ["train.micro_batch_size=4"]),
     "bench_1b_tp2_sp_base": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
     "bench_1b_tp2_sp_compiled": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"] + FAST),
     "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"] + TP_FAST),
@@ -239,7 +242,7 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     weights = write_same_weights(jobs) if args.same_weights else None
-    rows, stamp = [], datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    rows, stamp = [], stamp_now()
     for name, (gpus, overrides) in SUITES[args.suite].items():
         if args.only and name not in args.only:
             continue
@@ -255,9 +258,7 @@ def write_results(out: Path, stamp: str, rows: list[dict], card: str, n: int) ->
     import torch
 
     text = table(rows, f"{n} x {card}, torch {torch.__version__}")
-    command = "python -m gridwright.evaluations.bench_gpu " + " ".join(sys.argv[1:])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_gpu_{stamp}.md").write_text(f"# bench_gpu, {stamp}\n\nCommand: `{command.strip()}`\n\n{text}\n")
+    write_markdown(out, "bench_gpu", "python -m gridwright.evaluations.bench_gpu " + " ".join(sys.argv[1:]), text, stamp)
     (out / f"bench_gpu_{stamp}.json").write_text(json.dumps({"card": card, "gpus": n, "rows": rows}, indent=1))
     return text
 

@@ -13,11 +13,11 @@ prediction models.
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 from gridwright.jobdir import PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
 from gridwright.sweep import SweepRecord
+from gridwright.evaluations.results_file import write_markdown
 from gridwright.trace_analysis import COMMUNICATION_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,11 +87,8 @@ def main() -> None:
     args = ap.parse_args()
     text = tables(args.sweep_dir)
     print(text)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"eval_sweep_{stamp}.md").write_text(
-        f"# Evaluation sweep, {stamp}\n\nSweep: `{args.sweep_dir.name}`; command: "
-        f"`python -m gridwright.evaluations.eval_results SWEEP_DIR`\n\n{text}\n")
+    write_markdown(args.out, "eval_sweep", "python -m gridwright.evaluations.eval_results SWEEP_DIR",
+                   f"Sweep: `{args.sweep_dir.name}`\n\n{text}", title="Evaluation sweep")
 
 
 if __name__ == "__main__":

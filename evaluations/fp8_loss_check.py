@@ -10,13 +10,14 @@ last 10 steps, its difference from bf16, and tokens/s against bf16.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from gridwright.evaluations.results_file import write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,11 +67,8 @@ def main() -> None:
         lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {r['tokens']:,.0f} | {speed} | {mfu} |")
     text = "\n".join(lines)
     print(text, flush=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"fp8_loss_check_{stamp}.md").write_text(
-        f"# fp8_loss_check, {stamp}\n\nCommand: `python -m gridwright.evaluations.fp8_loss_check "
-        f"{' '.join(sys.argv[1:])}`\n\n{text}\n")
+    write_markdown(args.out, "fp8_loss_check", "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]),
+                   text)
 
 
 if __name__ == "__main__":

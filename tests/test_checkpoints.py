@@ -81,7 +81,7 @@ def test_saving_over_another_runs_checkpoints_is_refused(run_launch, tmp_path):
 LAYOUTS = {
     # TP=2 without SP is tp2_distopt's layout
     "tp2_sp": ("tiny_llama", ["+experiment=tiny_llama_tp2", "parallel.sp=true"]),
-    # SP's all-gather/reduce-scatter fused with the matmuls (gridwright.engines.parallel_linear;
+    # SP's all-gather/reduce-scatter fused with the matmuls (gridwright.megatron_internals.parallel_linear;
     # on CPU the same autograd functions with plain collectives)
     "tp2_sp_overlap": ("tiny_llama", ["+experiment=tiny_llama_tp2", "parallel.sp=true", "engine.tp_comm_overlap=true"]),
     "pp2": ("tiny_llama", ["+experiment=tiny_llama_pp2"]),

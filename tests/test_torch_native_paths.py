@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gridwright.compose import compose_config
-from gridwright.engines.parallel_linear import _matmul, float8_setup
+from gridwright.megatron_internals.parallel_linear import _matmul, float8_setup
 from gridwright.launchers.environment import worker_env
 
 

@@ -31,7 +31,19 @@ ON_CPU = (
 )
 
 
+# Loggers quietened to errors: (logger, why its warnings do not apply).
+LOGGERS = (
+    ("torchao", "at import it reports its optional CUDA extensions (MXFP8, CUTLASS) that do not load here; "
+                "the float8 training gridwright uses is plain PyTorch"),
+    ("torch.utils._pytree", "torchao 0.18 registers an Enum the way torch 2.11+ deprecates, once per process"),
+)
+
+
 def filter_known_warnings(device: str | None = None) -> None:
     """Install the filters (`device` 'cpu' adds the CPU-only ones)."""
+    import logging
+
+    for name, _why in LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     for message, category, _why in EVERYWHERE + (ON_CPU if device == "cpu" else ()):
         warnings.filterwarnings("ignore", message=f".*{message}", category=category)

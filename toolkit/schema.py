@@ -121,7 +121,7 @@ class EngineConfig:
     compile_layers: bool = False
     # With sequence parallelism on the torch-native spec: fuse SP's all-gather and
     # reduce-scatter with the neighbouring matmuls through torch's symmetric memory
-    # (gridwright.engines.parallel_linear), as TorchTitan's async TP does.
+    # (gridwright.megatron_internals.parallel_linear), as TorchTitan's async TP does.
     tp_comm_overlap: bool = False
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: 1, which
     # Megatron-Core's SP and gradient overlap rely on to order communication before compute,

@@ -25,7 +25,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_BACKENDS = ("auto", "transformer_engine", "torchao")
-TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.engines.parallel_linear
+TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals.parallel_linear
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
 

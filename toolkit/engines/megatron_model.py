@@ -212,7 +212,7 @@ class TorchRMSNorm(torch.nn.Module):
 
 def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> str:
     """Record on the TransformerConfig which torch-native replacements the layers use (read
-    by gridwright.engines.parallel_linear) and return the spec's name for the summary, e.g.
+    by gridwright.megatron_internals.parallel_linear) and return the spec's name for the summary, e.g.
     "local+sdpa+compiled+tp_overlap+float8_tensorwise(torchao)"."""
     if te_available:
         return "transformer_engine"
@@ -224,7 +224,7 @@ def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> str:
         name += "+tp_overlap"
     tcfg.gridwright_float8 = None
     if fp8_backend(cfg.precision, te_available) == "torchao":
-        from .parallel_linear import float8_setup
+        from ..megatron_internals.parallel_linear import float8_setup
 
         emulate = cfg.cluster.device == "cpu"
         tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=emulate)
@@ -266,7 +266,7 @@ def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     if getattr(tcfg, "gridwright_tp_comm_overlap", False) or getattr(tcfg, "gridwright_float8", None):
-        from .parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
+        from ..megatron_internals.parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
 
         attention = spec.submodules.self_attention.submodules
         attention.linear_qkv, attention.linear_proj = GridwrightColumnParallelLinear, GridwrightRowParallelLinear

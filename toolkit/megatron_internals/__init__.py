@@ -9,8 +9,10 @@ lets a user try anyway, with a warning. Modules:
     cpu_compat         what a CPU run needs (CUDA hard-coded where no flag reaches)
     checkpoint_format  the torch_dist metadata gridwright writes, and private calls of
                        the checkpoint and optimizer code
+    parallel_linear    column/row-parallel linears with async TP (symmetric memory) and
+                       torchao float8 matmuls, through Megatron-Core's private hook
 
-Each patch names the upstream line it stands for in its module's `CITED` list; the
+Each patch names the upstream line it stands for (or relies on) in its module's `CITED` list; the
 tests check that every cited line is still in the installed Megatron-Core, so an
 upgrade that fixes one fails the test and the patch can go. Public Megatron-Core API
 (GPTModel, parallel_state, the schedules) is used directly by the engines.

@@ -15,6 +15,9 @@ optional replacements where Transformer Engine is absent.
   changes: the tensor-parallel communication stays Megatron-Core's (in bf16).
 
 Parameter names, shapes and sharding are Megatron-Core's, so checkpoints do not change.
+The subclasses override Megatron-Core's private `_forward_impl` hook (and, for the
+row-parallel layer, `forward`, with the attributes it reads), which is why they live
+behind this package's version fence; CITED names the upstream lines they rely on.
 Why not torchao's `convert_to_float8_training`: it swaps `nn.Linear` modules, and
 Megatron-Core's parallel linears are not `nn.Linear`.
 """
@@ -25,7 +28,11 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's dynamic-scaling recipes offered here
+CITED = [
+    ("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
+    ("tensor_parallel/layers.py", "output_parallel = self._forward_impl("),
+    ("tensor_parallel/layers.py", "output_ = reduce_scatter_to_sequence_parallel_region("),
+]
 
 
 def float8_setup(recipe: str, emulate: bool = False):

@@ -63,15 +63,20 @@ def test_a_local_launch_and_the_converter_refuse_an_untested_megatron_core_befor
 
 def test_a_worker_refuses_fp8_without_transformer_engine(compose):
     """Every launcher's worker repeats the FP8 check (only a local launch validates this
-    machine before start): a Slurm worker must not train in bf16 under an FP8 config."""
+    machine before start): a Slurm worker must not train in bf16 under an FP8 config that
+    neither Transformer Engine nor torchao can run here."""
     from gridwright.machine_probe import transformer_engine_available
     from gridwright.worker import refuse_what_this_machine_cannot_run
 
     if transformer_engine_available():
         pytest.skip("Transformer Engine imports here")
-    cfg = compose("cluster=h100_x1", "precision=fp8_tensorwise", "launcher=slurm")
-    with pytest.raises(RuntimeError, match="FP8 needs Transformer Engine"):
-        refuse_what_this_machine_cannot_run(cfg)
+    for refused in (["precision=fp8_delayed"],  # a recipe torchao does not offer
+                    ["precision=fp8_tensorwise", "precision.fp8_backend=transformer_engine"]):
+        cfg = compose("cluster=h100_x1", "launcher=slurm", *refused)
+        with pytest.raises(RuntimeError, match="FP8 needs Transformer Engine"):
+            refuse_what_this_machine_cannot_run(cfg)
+    # tensorwise falls back to torchao (installed with gridwright); bf16 needs nothing
+    refuse_what_this_machine_cannot_run(compose("cluster=h100_x1", "precision=fp8_tensorwise", "launcher=slurm"))
     refuse_what_this_machine_cannot_run(compose("cluster=h100_x1", "precision=bf16", "launcher=slurm"))
 
 

@@ -1,7 +1,8 @@
 """What this machine can run: CUDA devices and Transformer Engine, asked of a fresh Python.
 
 A local launch is refused before anything starts when the cluster names GPUs this
-machine does not have, or FP8 where Transformer Engine cannot be imported. Importing
+machine does not have, FP8 where neither Transformer Engine nor torchao can run it, or
+DeepSpeed fp16 on a CPU without fp16 support. Importing
 torch takes seconds, so the question goes to a child process: composing, validating and
 planning never import torch themselves, and the probe runs only for local GPU launches.
 """
@@ -26,14 +27,26 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def cpu_fp16_supported() -> bool:
+    """Whether oneDNN runs fp16 on this CPU (AVX512-FP16 or AMX-FP16): DeepSpeed's CPU
+    accelerator asks the same question and refuses fp16 without it."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - an older torch without the query: DeepSpeed says no too
+        return False
+
+
 def _facts_here(with_transformer_engine: bool) -> dict:
     """What this process finds; run in the child (`python -m gridwright.machine_probe`)."""
-    out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None}
+    out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None, "cpu_fp16": False}
     try:
         import torch
 
         out["torch"] = torch.__version__
         out["cuda_devices"] = torch.cuda.device_count()
+        out["cpu_fp16"] = cpu_fp16_supported()
     except Exception as e:  # noqa: BLE001 - reported, not raised: the parent words the refusal
         out["error"] = f"{type(e).__name__}: {e}"
     if with_transformer_engine:
@@ -50,6 +63,7 @@ class MachineFacts:
     cuda_devices: int
     transformer_engine: bool
     error: str | None
+    cpu_fp16: bool = False
 
 
 @functools.lru_cache(maxsize=2)

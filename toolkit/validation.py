@@ -522,6 +522,11 @@ def check_launcher(cfg, for_launch: bool) -> list[str]:
             f"launcher=local runs on this machine only, but cluster.nodes={c.nodes}. "
             "Fix: launcher=torchrun or launcher=slurm (or launcher=plan to inspect)."
         ]
+    if (for_launch and c.device == "cpu" and cfg.engine.name == "deepspeed" and cfg.precision.params_dtype == "fp16"
+            and not probe().cpu_fp16):
+        return ["engine=deepspeed with precision=fp16 on CPU needs fp16 support in oneDNN (AVX512-FP16 or AMX-FP16), "
+                "which this CPU lacks: DeepSpeed's CPU accelerator refuses fp16 here. Fix: precision=bf16 or fp32, "
+                "or engine=megatron."]
     if for_launch and c.device == "cuda":
         facts = probe()
         if facts.cuda_devices < c.gpus_per_node:

@@ -171,6 +171,8 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             loss_last10_mean=sum(losses[-10:]) / len(losses[-10:]) if losses else None,
             exposed_comm_ms=_ms(comm.get("exposed_comm_s")),
             comm_ms=_ms(comm.get("comm_s")),
+            wait_ms=_ms(comm.get("wait_s")),  # communication spent waiting for the slowest rank (skew)
+            compiled_graphs=s.get("compiled_graphs"),
             overlap_pct=comm.get("overlap_pct"),
             exposed_ms_by_group={g: _ms(v.get("exposed_s")) for g, v in (comm.get("by_group") or {}).items()},
             traced_step_ms=_ms(comm.get("step_s")),
@@ -202,22 +204,25 @@ def table(rows: list[dict], card: str) -> str:
         "",
         "MFU: model FLOPs / peak; `megatron` halves causal attention (Megatron-LM), `palm` counts it in full. "
         "FP8 rows divide by the FP8 peak, and also by the bf16 peak (column `MFU megatron / bf16 peak`). "
-        "Exposed communication: NCCL time with no compute on the GPU, mean of 2 traced steps over ranks.",
+        "Exposed communication: NCCL time with no compute on the GPU; wait: NCCL time before the last member "
+        "arrived (skew); both the mean of 2 traced steps over ranks. Symmetric-memory copies (async TP) are not "
+        "NCCL kernels and count as compute.",
         "",
         "| case | GPUs | layout | spec | tokens/s/GPU | MFU (megatron) | MFU (palm) | MFU megatron / bf16 peak "
-        "| step s | comm ms | exposed comm ms | " + "".join(f"exposed {g} ms | " for g in groups)
+        "| step s | comm ms | wait ms | exposed comm ms | " + "".join(f"exposed {g} ms | " for g in groups)
         + "overlap % | max alloc GiB | loss first→last (mean of last 10) |",
-        "| --- " * (13 + len(groups)) + "|",
+        "| --- " * (15 + len(groups)) + "|",
     ]
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (10 + len(groups)))
+            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (12 + len(groups)))
             continue
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']} | {r['tokens_per_s_per_gpu']:,.0f} | "
             f"{f(r['mfu'], '.1%')} | {f(r['mfu_palm'], '.1%')} | {f(r.get('mfu_vs_bf16_peak'), '.1%')} | "
-            f"{r['step_time_s']:.3f} | {f(r.get('comm_ms'), '.1f')} | {f(r.get('exposed_comm_ms'), '.1f')} | "
+            f"{r['step_time_s']:.3f} | {f(r.get('comm_ms'), '.1f')} | {f(r.get('wait_ms'), '.1f')} | "
+            f"{f(r.get('exposed_comm_ms'), '.1f')} | "
             + "".join(f"{f((r.get('exposed_ms_by_group') or {}).get(g), '.1f')} | " for g in groups)
             + f"{f(r.get('overlap_pct'), '.1f')} | {f(r['memory_max_allocated_gib'], '.1f')} | "
             f"{r['first_loss']:.2f}→{r['last_loss']:.2f} ({f(r.get('loss_last10_mean'), '.3f')}) |"

@@ -139,6 +139,8 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name, sin
     ck, one = single_process_run(model, "distopt" in name)
     two = train(run_launch, tmp_path, "two", *layout, "train.steps=6", f"checkpoint.load={ck}")
     assert sorted(two) == [2, 3, 4, 5]
+    if "overlap" in name and "tp" in name:  # the fused linears were built (the spec is read from the model)
+        assert json.loads((tmp_path / "two" / "summary.json").read_text())["layer_spec"] == "local+sdpa+tp_overlap"
     for step in two:
         # fp32 on CPU; reductions are ordered differently across layouts.
         assert two[step] == pytest.approx(one[step], abs=1e-4), (step, one[step], two[step])

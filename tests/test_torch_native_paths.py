@@ -61,7 +61,9 @@ def test_compiled_layers_match_eager(run_launch, tmp_path):
                             timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = _losses(job)
-    assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["layer_spec"] == "local+sdpa+compiled"
+    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
+    assert summary["layer_spec"] == "local+sdpa+compiled"  # read from the built layers
+    assert summary["compiled_graphs"] >= 1  # dynamo really produced graphs
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-5)
 
 

@@ -26,6 +26,9 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_BACKENDS = ("auto", "transformer_engine", "torchao")
 TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals.parallel_linear
+# The formats torchao's recipes fix (Float8LinearConfig.from_recipe_name)
+TORCHAO_FP8_FORMATS = {"tensorwise": "hybrid", "rowwise": "e4m3"}
+TORCHAO_FORMAT_WORDS = {"hybrid": "E4M3 forward and E5M2 for gradients", "e4m3": "E4M3 everywhere"}
 RECOMPUTE = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -231,13 +234,17 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
     if backend is None or backend == "transformer_engine" and te_available:
         return []
     torchao_asked = p.fp8_backend == "torchao" or p.fp8_recipe == "rowwise"
-    if backend == "transformer_engine" or not torchao_available() and not torchao_asked:
-        return [FP8_WITHOUT_TE]
+    if backend == "transformer_engine":
+        return [fp8_without_te(p.fp8_recipe)]
+    if te_available:  # torchao asked for where TE imports: TE's layer spec would be built, without torchao
+        return [f"precision.fp8_backend=torchao (or recipe {p.fp8_recipe}) runs inside the torch-native layer spec, "
+                "but Transformer Engine imports here and its spec is used. Fix: precision.fp8_backend=transformer_engine "
+                "or auto with a Transformer Engine recipe."]
+    if not torchao_asked and p.fp8_recipe not in TORCHAO_FP8_RECIPES:
+        return [fp8_without_te(p.fp8_recipe)]
     if not torchao_available():
         return [TORCHAO_MISSING]
-    if not torchao_asked:  # auto fell back to torchao: its rules apply now
-        return [FP8_WITHOUT_TE] if p.fp8_recipe not in TORCHAO_FP8_RECIPES else _torchao_fp8_problems(cfg)
-    return []
+    return [] if torchao_asked else _torchao_fp8_problems(cfg)  # auto fell back to torchao: its rules apply now
 
 
 def _torchao_fp8_problems(cfg) -> list[str]:
@@ -252,6 +259,9 @@ def _torchao_fp8_problems(cfg) -> list[str]:
                    "or precision=bf16 for an MoE model.")
     if p.fp8_param:
         out.append("precision.fp8_param=true is Transformer Engine's (FP8 weights); torchao keeps bf16 weights.")
+    wanted = TORCHAO_FP8_FORMATS.get(p.fp8_recipe)
+    if wanted and p.fp8_format != wanted:
+        out.append(f"torchao's {p.fp8_recipe} recipe uses {TORCHAO_FORMAT_WORDS[wanted]}: set precision.fp8_format={wanted}.")
     if cfg.engine.tp_comm_overlap:
         out.append("engine.tp_comm_overlap=true does not combine with FP8 through torchao yet "
                    "(the fused ops run bf16 matmuls): turn one off.")
@@ -264,23 +274,36 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-FP8_WITHOUT_TE = ("FP8 needs Transformer Engine, or torchao for the tensorwise and rowwise recipes, and neither "
-                  "can be imported here. Megatron-Core would silently train in bf16 while the config says FP8, "
-                  "so gridwright refuses. Fix: install Transformer Engine (CUDA + cuDNN) or torchao, "
-                  "or use precision=bf16.")
+def fp8_without_te(recipe: str) -> str:
+    return (f"FP8 needs Transformer Engine for recipe '{recipe}' here (torchao runs only tensorwise and rowwise), "
+            "and Transformer Engine cannot be imported. Megatron-Core would silently train in bf16 while the config "
+            "says FP8, so gridwright refuses. Fix: install Transformer Engine (CUDA + cuDNN), "
+            "precision=fp8_tensorwise or fp8_rowwise (torchao), or precision=bf16.")
+
+
 TORCHAO_MISSING = "precision.fp8_backend=torchao needs torchao, which is not installed here: pip install torchao."
 
 
-def check_tp_comm_overlap(cfg) -> list[str]:
+def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     e = cfg.engine
     if e.cuda_device_max_connections is not None and not 1 <= e.cuda_device_max_connections <= 32:
         return [f"engine.cuda_device_max_connections={e.cuda_device_max_connections} must be 1 to 32 (or null)."]
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]
-    if e.tp_comm_overlap and e.name != "megatron":
-        return ["engine.tp_comm_overlap=true is wired for engine=megatron only."]
+    wired = [k for k in ("tp_comm_overlap", "compile_layers") if getattr(e, k)]
+    if wired and e.name != "megatron":
+        return [f"engine.{wired[0]}=true is wired for engine=megatron only (the torch-native layer spec)."]
+    if wired and for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda" \
+            and probe(transformer_engine=True).transformer_engine:
+        return [torch_native_only(wired)]
     return []
+
+
+def torch_native_only(keys: list[str]) -> str:
+    """Said where Transformer Engine imports (its spec is then used) and these keys are on."""
+    return (f"{', '.join(f'engine.{k}=true' for k in keys)} applies to the torch-native layer spec; Transformer "
+            "Engine imports here, so its spec is used, which gridwright does not compile or overlap: turn it off.")
 
 
 def check_megatron_core(cfg, for_launch: bool) -> list[str]:
@@ -643,7 +666,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_engine(cfg, layout)
         problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
-    problems += check_tp_comm_overlap(cfg)
+    problems += check_torch_native_paths(cfg, for_launch)
     problems += check_launcher(cfg, for_launch)
     problems += check_megatron_core(cfg, for_launch)
     problems += check_tracking(cfg)

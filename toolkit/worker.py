@@ -213,13 +213,13 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
     in bf16 while MFU divided by the FP8 peak."""
     from .machine_probe import transformer_engine_available
-    from .validation import fp8_machine_problems
+    from .validation import fp8_machine_problems, torch_native_only
 
     te = cfg.cluster.device == "cuda" and transformer_engine_available()
     problems = fp8_machine_problems(cfg, te)
-    if te and cfg.engine.tp_comm_overlap:
-        problems.append("engine.tp_comm_overlap=true overlaps the torch-native spec's linears; Transformer Engine "
-                        "imports here, so its spec is used, whose own overlap gridwright does not wire: turn it off.")
+    wired = [k for k in ("tp_comm_overlap", "compile_layers") if getattr(cfg.engine, k)]
+    if te and wired:
+        problems.append(torch_native_only(wired))
     if problems:
         raise RuntimeError(" ".join(problems))
 
@@ -268,6 +268,10 @@ def train(job_dir: Path) -> int:
         raise
     if "reporter" in state:
         extra = {"layer_spec": state["spec"], "placement_verified": True}
+        if cfg.engine.compile_layers and cfg.engine.name == "megatron":
+            from .engines.megatron_model import compiled_graphs
+
+            extra["compiled_graphs"] = compiled_graphs()  # in this process: 0 would mean nothing compiled
         if stop.signal:
             extra.update(stopped_by_signal=int(stop.signal), stopped_after_step=state["reporter"].history[-1]["step"]
                          if state["reporter"].history else None)

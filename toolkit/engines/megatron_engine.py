@@ -22,7 +22,13 @@ from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
 from ..machine_probe import transformer_engine_available
-from .megatron_model import build_model_chunks, choose_torch_native_paths, compile_layers, transformer_config_kwargs
+from .megatron_model import (
+    build_model_chunks,
+    choose_torch_native_paths,
+    compile_layers,
+    spec_name,
+    transformer_config_kwargs,
+)
 from .optimizer_schedule import lr_scheduler, optimizer_config
 
 
@@ -115,10 +121,11 @@ class MegatronTrainer:
 
         te = (not self.on_cpu) and transformer_engine_available()
         self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
-        self.spec_name = choose_torch_native_paths(cfg, self.tcfg, te)
+        choose_torch_native_paths(cfg, self.tcfg, te)
         chunks = build_model_chunks(cfg, self.tcfg, te)
         if cfg.engine.compile_layers and not te:
             compile_layers(chunks)
+        self.spec_name = spec_name(chunks, self.tcfg, te)
         reduce_expert_grads_over_expert_dp(chunks, self.tcfg)  # before DDP and the optimizer
         use_dist_opt = cfg.zero.stage >= 1
         fsdp = cfg.zero.stage == 3  # Megatron-FSDP: parameters, gradients and optimizer sharded

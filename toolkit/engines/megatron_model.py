@@ -210,25 +210,36 @@ class TorchRMSNorm(torch.nn.Module):
         return out.to(x.dtype)
 
 
-def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> str:
+def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> None:
     """Record on the TransformerConfig which torch-native replacements the layers use (read
-    by gridwright.megatron_internals.parallel_linear) and return the spec's name for the summary, e.g.
+    by gridwright.megatron_internals.parallel_linear); `spec_name` then says what was built."""
+    tcfg.gridwright_tp_comm_overlap = bool(not te_available and cfg.engine.tp_comm_overlap and cfg.parallel.sp)
+    tcfg.gridwright_float8 = None
+    if not te_available and fp8_backend(cfg.precision, te_available) == "torchao":
+        from ..megatron_internals.parallel_linear import float8_setup
+
+        tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=cfg.cluster.device == "cpu")
+        tcfg.gridwright_float8_name = (f"float8_{cfg.precision.fp8_recipe}(torchao"
+                                       f"{', emulated' if cfg.cluster.device == 'cpu' else ''})")
+
+
+def spec_name(chunks, tcfg, te_available: bool) -> str:
+    """What the built model runs, read from the model itself (for the summary), e.g.
     "local+sdpa+compiled+tp_overlap+float8_tensorwise(torchao)"."""
     if te_available:
         return "transformer_engine"
-    name = "local+sdpa"
-    if cfg.engine.compile_layers:
-        name += "+compiled"
-    tcfg.gridwright_tp_comm_overlap = bool(cfg.engine.tp_comm_overlap and cfg.parallel.sp)
-    if tcfg.gridwright_tp_comm_overlap:
-        name += "+tp_overlap"
-    tcfg.gridwright_float8 = None
-    if fp8_backend(cfg.precision, te_available) == "torchao":
-        from ..megatron_internals.parallel_linear import float8_setup
+    from ..megatron_internals.parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
 
-        emulate = cfg.cluster.device == "cpu"
-        tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=emulate)
-        name += f"+float8_{cfg.precision.fp8_recipe}(torchao{', emulated' if emulate else ''})"
+    layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+    ours = any(isinstance(m, (GridwrightColumnParallelLinear, GridwrightRowParallelLinear))
+               for chunk in chunks for m in chunk.modules())
+    name = "local+sdpa"
+    if layers and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers):
+        name += "+compiled"
+    if ours and tcfg.gridwright_tp_comm_overlap:
+        name += "+tp_overlap"
+    if ours and tcfg.gridwright_float8 is not None:
+        name += "+" + tcfg.gridwright_float8_name
     return name
 
 
@@ -236,10 +247,25 @@ def compile_layers(chunks) -> None:
     """torch.compile every transformer layer in place (`nn.Module.compile`: parameter names,
     and so checkpoints, stay as they are). Per layer rather than the whole model: the
     pipeline schedules call the model chunk by chunk, and one layer's graph is reused by
-    every layer of the same shape."""
+    every layer of the same shape. Where DDP's parameter-gather pre-hooks differ per layer
+    (overlap_param_gather), each layer gets its own graph: dynamo's recompile limit (8 by
+    default, after which layers silently run eagerly) is raised to cover every layer."""
+    import torch._dynamo
+
+    layers = sum(len(chunk.decoder.layers) for chunk in chunks)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * layers + 8))
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile produced in this process (the summary's proof that compiling ran)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):

@@ -103,7 +103,9 @@ def matmul_reduce_scatter(x, weight_t, group):
 
 class _AllGatherMatmul(torch.autograd.Function):
     """Column-parallel matmul under SP: y = all_gather(x) @ W.T, x [s/tp, b, h].
-    Backward: dx = reduce_scatter(dy @ W), dW = dy.T @ all_gather(x) (kept from forward)."""
+    Backward: dx = reduce_scatter(dy @ W), dW = dy.T @ all_gather(x). The gathered input is
+    kept from forward (the fused op returns it), not re-gathered as Megatron-Core does:
+    TP times the activation memory of SP's shard for the QKV and FC1 inputs."""
 
     @staticmethod
     def forward(ctx, x, weight, group):

@@ -75,3 +75,17 @@ def test_worker_connections_follow_tp_overlap():
     assert worker_env(compose_config(gpu + ["engine.tp_comm_overlap=true"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
     assert worker_env(compose_config(gpu + ["engine.cuda_device_max_connections=4"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in worker_env(compose_config([]))
+
+
+def test_compiled_layers_all_compile_under_param_gather_overlap(run_launch, tmp_path):
+    """DDP's parameter-gather pre-hooks differ per layer, so each layer compiles its own
+    graph; past dynamo's default recompile limit (8) layers would silently run eagerly
+    (seen on 2 x H200 and here with 10 layers before the limit was raised)."""
+    job = tmp_path / "dp2"
+    result = run_launch("zero=stage1", "engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true",
+                        "engine.compile_layers=true", "model.num_layers=10", "train.steps=3", "tracking=off",
+                        f"job_dir={job}", timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "recompile_limit" not in result.stdout + result.stderr
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["layer_spec"] == "local+sdpa+compiled" and summary["compiled_graphs"] >= 10

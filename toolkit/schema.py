@@ -117,7 +117,7 @@ class EngineConfig:
     overlap_param_gather: bool = False
     bucket_size: Optional[int] = None  # elements per communication bucket; None: Megatron's default
     # torch.compile each transformer layer (the torch-native spec; fuses norms, SwiGLU,
-    # rotary and casts). Measured default off: CPU runs gain nothing and pay the compile.
+    # rotary and casts). Off by default: on 2 x H200 it helped one GPU and slowed DP=2 (README).
     compile_layers: bool = False
     # With sequence parallelism on the torch-native spec: fuse SP's all-gather and
     # reduce-scatter with the neighbouring matmuls through torch's symmetric memory

@@ -201,7 +201,7 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         out.append(f"FP8 (precision.fp8_recipe={p.fp8_recipe}) is only wired for engine=megatron.")
     if p.params_dtype == "fp32":
         out.append("FP8 training keeps bf16 weights: set precision.params_dtype=bf16.")
-    torchao_asked = p.fp8_backend == "torchao" or p.fp8_recipe == "rowwise"
+    torchao_asked = _torchao_asked(p)
     if torchao_asked:
         out += _torchao_fp8_problems(cfg)
     if cfg.cluster.device != "cuda":
@@ -233,7 +233,7 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
     backend = fp8_backend(p, te_available)
     if backend is None or backend == "transformer_engine" and te_available:
         return []
-    torchao_asked = p.fp8_backend == "torchao" or p.fp8_recipe == "rowwise"
+    torchao_asked = _torchao_asked(p)
     if backend == "transformer_engine":
         return [fp8_without_te(p.fp8_recipe)]
     if te_available:  # torchao asked for where TE imports: TE's layer spec would be built, without torchao
@@ -245,6 +245,11 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
     if not torchao_available():
         return [TORCHAO_MISSING]
     return [] if torchao_asked else _torchao_fp8_problems(cfg)  # auto fell back to torchao: its rules apply now
+
+
+def _torchao_asked(precision) -> bool:
+    """torchao named by the config itself, not reached by `auto` falling back."""
+    return precision.fp8_backend == "torchao" or precision.fp8_recipe == "rowwise"
 
 
 def _torchao_fp8_problems(cfg) -> list[str]:
@@ -291,19 +296,26 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]
-    wired = [k for k in ("tp_comm_overlap", "compile_layers") if getattr(e, k)]
-    if wired and e.name != "megatron":
-        return [f"engine.{wired[0]}=true is wired for engine=megatron only (the torch-native layer spec)."]
-    if wired and for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda" \
-            and probe(transformer_engine=True).transformer_engine:
-        return [torch_native_only(wired)]
+    keys = _torch_native_keys_on(e)
+    if keys and e.name != "megatron":
+        return [f"engine.{keys[0]}=true is wired for engine=megatron only (the torch-native layer spec)."]
+    if keys and for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda":
+        return torch_native_machine_problems(cfg, probe(transformer_engine=True).transformer_engine)
     return []
 
 
-def torch_native_only(keys: list[str]) -> str:
-    """Said where Transformer Engine imports (its spec is then used) and these keys are on."""
-    return (f"{', '.join(f'engine.{k}=true' for k in keys)} applies to the torch-native layer spec; Transformer "
-            "Engine imports here, so its spec is used, which gridwright does not compile or overlap: turn it off.")
+def _torch_native_keys_on(engine) -> list[str]:
+    return [k for k in ("tp_comm_overlap", "compile_layers") if getattr(engine, k)]
+
+
+def torch_native_machine_problems(cfg, te_available: bool) -> list[str]:
+    """The torch-native paths asked for where Transformer Engine imports (its spec is then
+    used): said before a local launch, and by every worker at start."""
+    keys = _torch_native_keys_on(cfg.engine)
+    if not (te_available and keys):
+        return []
+    return [f"{', '.join(f'engine.{k}=true' for k in keys)} applies to the torch-native layer spec; Transformer "
+            "Engine imports here, so its spec is used, which gridwright does not compile or overlap: turn it off."]
 
 
 def check_megatron_core(cfg, for_launch: bool) -> list[str]:

@@ -213,13 +213,10 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
     in bf16 while MFU divided by the FP8 peak."""
     from .machine_probe import transformer_engine_available
-    from .validation import fp8_machine_problems, torch_native_only
+    from .validation import fp8_machine_problems, torch_native_machine_problems
 
     te = cfg.cluster.device == "cuda" and transformer_engine_available()
-    problems = fp8_machine_problems(cfg, te)
-    wired = [k for k in ("tp_comm_overlap", "compile_layers") if getattr(cfg.engine, k)]
-    if te and wired:
-        problems.append(torch_native_only(wired))
+    problems = fp8_machine_problems(cfg, te) + torch_native_machine_problems(cfg, te)
     if problems:
         raise RuntimeError(" ".join(problems))
 

@@ -26,7 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 CITED = [
     ("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
@@ -62,8 +65,18 @@ def _matmul(x, weight, fp8):
 
 
 # The two communicating matmuls -------------------------------------------------------------
+_SYMMETRIC_MEMORY = {}  # group name -> (torch.ops.symm_mem, name) or None: asked once per group
+
+
 def _symmetric_memory_ops(group):
-    """torch's fused ops and the group's name, or None where they cannot run (CPU)."""
+    """torch's fused ops and the group's name, or None where they cannot run (CPU). Called
+    for every matmul: the answer is worked out once per group."""
+    if group.group_name not in _SYMMETRIC_MEMORY:
+        _SYMMETRIC_MEMORY[group.group_name] = _enable_symmetric_memory(group)
+    return _SYMMETRIC_MEMORY[group.group_name]
+
+
+def _enable_symmetric_memory(group):
     if not torch.cuda.is_available() or dist.get_backend(group) != "nccl":
         return None
     import warnings
@@ -164,8 +177,6 @@ class GridwrightColumnParallelLinear(ColumnParallelLinear):
             out = _AllGatherMatmul.apply(input, weight, self.tp_group)
         else:
             if sequence_parallel:  # fp8 with SP: Megatron-Core's gather, then the float8 matmul
-                from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
                 input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
                                                              group=self.tp_group)
             elif allreduce_dgrad:  # what the fused function does in its backward

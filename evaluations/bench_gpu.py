@@ -3,9 +3,9 @@
     python -m gridwright.evaluations.bench_gpu [--suite performance|engines|all] [--only NAME ...]
 
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
-steps after the first, leaving out the two steps traced with torch.profiler, whose traces
-give each case's compute, exposed communication per parallel group and overlap
-(gridwright.trace_analysis). MFU is given under both definitions (Megatron-LM's, causal
+steps after the first. In the `performance` suite two steps are traced with torch.profiler
+and left out of the mean; their traces give each case's compute, exposed communication
+per parallel group and overlap (gridwright.trace_analysis). MFU is given under both definitions (Megatron-LM's, causal
 attention halved, and PaLM's); FP8 rows also against the bf16 peak. The GPU kind is read
 from the device and written with the numbers: compare only rows from the same card and
 the same invocation.
@@ -28,8 +28,10 @@ from gridwright.evaluations.results_file import stamp_now, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 
-COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3",
-          "evaluate.profile_steps=[10,12]"]
+COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3"]
+# The performance suite traces two steps of each case (exposed communication per group);
+# the engines suite does not (DeepSpeed runs no profiling window).
+TRACED = ["evaluate.profile_steps=[10,12]"]
 FAST = ["engine.compile_layers=true"]
 TP_FAST = FAST + ["engine.tp_comm_overlap=true"]
 # name: (GPUs, overrides)
@@ -39,10 +41,9 @@ LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_len
              "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14"]
 DP2_OVERLAP = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]
 LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
-# FP8 against bf16 over 200 steps (loss) on both GPUs (DP=2), compiled like the fast rows.
-LOSS_200 = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "train.steps=200", "train.global_batch_size=8",
-                         "evaluate.profile_steps=null"] + FAST
-PERFORMANCE = {
+TP2_SP = BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]
+# FP8 against bf16 over 200 steps is evaluations/fp8_loss_check.py (one GPU each, side by side).
+PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_base": (1, BENCH_1GPU),
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=4"]),
@@ -52,17 +53,15 @@ PERFORMANCE = {
     "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP),
     "bench_1b_dp2_overlap": (2, DP2_OVERLAP + FAST),
     "bench_1b_dp2_overlap_mb4": (2, DP2_OVERLAP + FAST + ["train.micro_batch_size=4"]),
-    "bench_1b_tp2_sp_base": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]),
-    "bench_1b_tp2_sp_compiled": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"] + FAST),
-    "bench_1b_tp2_sp": (2, BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"] + TP_FAST),
+    "bench_1b_tp2_sp_base": (2, TP2_SP),
+    "bench_1b_tp2_sp_compiled": (2, TP2_SP + FAST),
+    "bench_1b_tp2_sp": (2, TP2_SP + TP_FAST),
     "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"]),
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
     "bench_1b_cp2_conn8": (2, BENCH_2GPU + ["parallel.cp=2", "engine.cuda_device_max_connections=8"] + FAST),
     "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
     "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
-    "bench_1b_dp2_bf16_200_steps": (2, LOSS_200),
-    "bench_1b_dp2_fp8_tensorwise_200_steps": (2, LOSS_200 + ["precision=fp8_tensorwise"]),
-}
+}.items()}
 ENGINES = {
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
     # The same model under DeepSpeed (issue 11): a Hugging Face Llama drawn by Megatron-Core's

@@ -56,9 +56,11 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_tp2_sp_base": (2, TP2_SP),
     "bench_1b_tp2_sp_compiled": (2, TP2_SP + FAST),
     "bench_1b_tp2_sp": (2, TP2_SP + TP_FAST),
+    "bench_1b_tp2_sp_compiled_mb4": (2, TP2_SP + FAST + ["train.micro_batch_size=4"]),
     "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"]),
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
     "bench_1b_cp2_conn8": (2, BENCH_2GPU + ["parallel.cp=2", "engine.cuda_device_max_connections=8"] + FAST),
+    "bench_1b_cp2_mb4": (2, BENCH_2GPU + ["parallel.cp=2", "train.micro_batch_size=4"] + FAST),
     "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
     "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
 }.items()}
@@ -171,6 +173,9 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             exposed_comm_ms=_ms(comm.get("exposed_comm_s")),
             comm_ms=_ms(comm.get("comm_s")),
             wait_ms=_ms(comm.get("wait_s")),  # communication spent waiting for the slowest rank (skew)
+            idle_ms=_ms(comm.get("idle_s")),
+            host_wait_ms=_ms(comm.get("host_wait_s")),  # idle with nothing launched yet: host-bound
+            gpu_activities=comm.get("gpu_activities"),
             compiled_graphs=s.get("compiled_graphs"),
             overlap_pct=comm.get("overlap_pct"),
             exposed_ms_by_group={g: _ms(v.get("exposed_s")) for g, v in (comm.get("by_group") or {}).items()},
@@ -204,18 +209,19 @@ def table(rows: list[dict], card: str) -> str:
         "MFU: model FLOPs / peak; `megatron` halves causal attention (Megatron-LM), `palm` counts it in full. "
         "FP8 rows divide by the FP8 peak, and also by the bf16 peak (column `MFU megatron / bf16 peak`). "
         "Exposed communication: NCCL time with no compute on the GPU; wait: NCCL time before the last member "
-        "arrived (skew); both the mean of 2 traced steps over ranks. Symmetric-memory copies (async TP) are not "
-        "NCCL kernels and count as compute.",
+        "arrived (skew); idle: no GPU activity; host wait: the part of idle before the host had launched the "
+        "next kernel (the step is host-bound there); kernels: GPU activities per step; all the mean of 2 traced "
+        "steps over ranks. Symmetric-memory copies and barriers (async TP) are not NCCL kernels and count as compute.",
         "",
         "| case | GPUs | layout | spec | tokens/s/GPU | MFU (megatron) | MFU (palm) | MFU megatron / bf16 peak "
         "| step s | comm ms | wait ms | exposed comm ms | " + "".join(f"exposed {g} ms | " for g in groups)
-        + "overlap % | max alloc GiB | loss first→last (mean of last 10) |",
-        "| --- " * (15 + len(groups)) + "|",
+        + "overlap % | idle ms | host wait ms | kernels | max alloc GiB | loss first→last (mean of last 10) |",
+        "| --- " * (18 + len(groups)) + "|",
     ]
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (12 + len(groups)))
+            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (15 + len(groups)))
             continue
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']} | {r['tokens_per_s_per_gpu']:,.0f} | "
@@ -223,7 +229,8 @@ def table(rows: list[dict], card: str) -> str:
             f"{r['step_time_s']:.3f} | {f(r.get('comm_ms'), '.1f')} | {f(r.get('wait_ms'), '.1f')} | "
             f"{f(r.get('exposed_comm_ms'), '.1f')} | "
             + "".join(f"{f((r.get('exposed_ms_by_group') or {}).get(g), '.1f')} | " for g in groups)
-            + f"{f(r.get('overlap_pct'), '.1f')} | {f(r['memory_max_allocated_gib'], '.1f')} | "
+            + f"{f(r.get('overlap_pct'), '.1f')} | {f(r.get('idle_ms'), '.1f')} | {f(r.get('host_wait_ms'), '.1f')} | "
+            f"{f(r.get('gpu_activities'), ',.0f')} | {f(r['memory_max_allocated_gib'], '.1f')} | "
             f"{r['first_loss']:.2f}→{r['last_loss']:.2f} ({f(r.get('loss_last10_mean'), '.3f')}) |"
         )
     return "\n".join(lines)

@@ -1,11 +1,15 @@
 """FP8 through torchao against bf16: the loss after N steps and the speed, side by side.
 
     python -m gridwright.evaluations.fp8_loss_check [--steps 200] [--recipes tensorwise rowwise]
+        [--global-batch-size 8] [--lr 3e-4]
 
 Runs the bench model on one GPU per precision at once (GPU 0 bf16, GPU 1 the first FP8
 recipe, and so on: as many runs as GPUs), both compiled (torchao's float8 casts are fast
 only compiled), from the same seed and data, and writes a table of the mean loss of the
-last 10 steps, its difference from bf16, and tokens/s against bf16.
+last 10 steps, its difference from bf16, and tokens/s against bf16, then the loss curves
+(mean of each tenth of the run). The curve is there because a comparison at one step
+means little unless bf16 itself is still descending there: a run whose bf16 loss has
+turned upward (too high a learning rate for the batch) compares two unstable runs.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--recipes", nargs="*", default=["tensorwise"])
+    ap.add_argument("--global-batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     args = ap.parse_args()
     card, jobs = torch.cuda.get_device_name(0), Path(tempfile.mkdtemp(prefix="fp8_loss_"))
@@ -35,7 +41,8 @@ def main() -> None:
     procs = {}
     for gpu, precision in enumerate(precisions):
         cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={precision}", "tracking=off",
-               f"train.steps={args.steps}", "train.global_batch_size=4", "train.warmup_steps=20",
+               f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
+               f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20",
                "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}", f"job_dir={jobs / precision}"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
         print("+", " ".join(cmd), flush=True)
@@ -50,10 +57,11 @@ def main() -> None:
         s = json.loads((job / "summary.json").read_text())
         losses = [json.loads(line)["loss"] for line in (job / "metrics.jsonl").read_text().splitlines()]
         rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
-                               spec=s.get("layer_spec"))
+                               spec=s.get("layer_spec"), curve=loss_curve(losses))
     base = rows.get("bf16")
     lines = [f"GPU: 1 x {card} per run (runs side by side), torch {torch.__version__}; bench model, sequence 4096, "
-             f"global batch 4, {args.steps} steps, compiled layers", "",
+             f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
+             f"{args.steps} steps, compiled layers", "",
              "| precision | spec | mean loss, last 10 steps | vs bf16 | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for precision in precisions:
@@ -65,10 +73,24 @@ def main() -> None:
         speed = f"{r['tokens'] / base['tokens']:.2f}x" if base else ""
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {r['tokens']:,.0f} | {speed} | {mfu} |")
+    lines += ["", "Loss curve (mean over each tenth of the run):", "",
+              "| precision | " + " | ".join(f"steps {a}-{b}" for a, b in tenths(args.steps)) + " |",
+              "| --- " * (1 + len(tenths(args.steps))) + "|"]
+    lines += [f"| {p} | " + " | ".join(f"{v:.3f}" for v in rows[p]["curve"]) + " |" for p in precisions if p in rows]
     text = "\n".join(lines)
     print(text, flush=True)
     write_markdown(args.out, "fp8_loss_check", "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]),
                    text)
+
+
+def tenths(steps: int) -> list[tuple[int, int]]:
+    """1-based inclusive step ranges of the ten tenths of a run (fewer for short runs)."""
+    edges = sorted({round(steps * k / 10) for k in range(11)})
+    return [(a + 1, b) for a, b in zip(edges, edges[1:])]
+
+
+def loss_curve(losses: list[float]) -> list[float]:
+    return [sum(losses[a - 1:b]) / (b - a + 1) for a, b in tenths(len(losses))]
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
     python -m gridwright.evaluations.trim_traces JOB_DIR OUT_DIR
 
-Keeps the GPU activity (kernels, copies, memsets), the step ranges and the trace header
-(distributedInfo, device properties); drops host-side operator events, which are most of
-a trace's size. Also copies placement.json, metrics.jsonl and the step-timer files.
+Keeps the GPU activity (kernels, copies, memsets), the step ranges, the host-side launch
+calls (name, time and correlation id only: what the host-wait split reads) and the trace
+header (distributedInfo, device properties); drops host-side operator events, which are
+most of a trace's size. Also copies placement.json, metrics.jsonl and the step-timer files.
 """
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ import shutil
 from pathlib import Path
 
 KEEP_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation"}
+LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 
 
 def trim(src: Path, dst: Path) -> None:
     with gzip.open(src, "rt") as f:
         doc = json.load(f)
-    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") in KEEP_CATEGORIES]
+    kept = [e for e in doc["traceEvents"] if e.get("cat") in KEEP_CATEGORIES]
+    kept += [{"ph": "X", "cat": e["cat"], "name": e["name"], "ts": e["ts"], "dur": e.get("dur", 0),
+              "args": {"correlation": e["args"]["correlation"]}}
+             for e in doc["traceEvents"]
+             if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})]
+    doc["traceEvents"] = kept
     with gzip.open(dst, "wt", compresslevel=9) as f:
         json.dump(doc, f, separators=(",", ":"))
 

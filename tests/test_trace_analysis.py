@@ -69,6 +69,31 @@ def test_hand_made_trace_gives_the_figures_of_its_construction(tmp_path):
     assert doc["stragglers"] == [{"step": 7, "slowest_rank": 0, "behind_s": 0.0, "behind_pct": 0.0, "busiest_rank": 0}]
 
 
+def _launched(kernel, at, correlation):
+    """The kernel and its host-side launch record, tied by the trace's correlation id."""
+    kernel["args"] = {**kernel["args"], "correlation": correlation}
+    return [kernel, {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": at, "dur": 1.0,
+                     "args": {"correlation": correlation}}]
+
+
+def test_host_wait_is_the_idle_time_before_the_next_launch(tmp_path):
+    # rank 0: kernel A [0,10) launched at -3; kernel B [20,30) launched at 16: the GPU idled
+    # [10,20) and nothing was queued until 16 -> 6 us host wait. Kernel C [34,38) was launched
+    # at 5, long before the gap [30,34) began: that gap waited on something else, not the host.
+    # The trailing gap [38,40) has no later kernel in the trace: not counted.
+    # rank 1: the same kernels without launch records (a trimmed trace): not measured.
+    job = _write_job(tmp_path, {
+        0: [*_launched(_kernel(0, 10), -3, 1), *_launched(_kernel(20, 10), 16, 2), *_launched(_kernel(34, 4), 5, 3)],
+        1: [_kernel(0, 10), _kernel(20, 10), _kernel(34, 4)],
+    })
+    doc = analyze(job)
+    r0, r1 = doc["ranks"]["0"]["7"], doc["ranks"]["1"]["7"]
+    assert r0["idle_s"] == pytest.approx(16e-6) and r0["host_wait_s"] == pytest.approx(6e-6)
+    assert r0["gpu_activities"] == 3
+    assert r1["idle_s"] == pytest.approx(16e-6) and r1["host_wait_s"] is None
+    assert "host wait" in format_report(doc)
+
+
 def test_a_communicator_that_is_not_the_planned_group_is_reported(tmp_path):
     job = _write_job(tmp_path, {0: [_comm(0, 5, desc="TENSOR_MODEL_PARALLEL_GROUP", ranks="[0, 1]")],
                                 1: [_comm(0, 5, desc="TENSOR_MODEL_PARALLEL_GROUP", ranks="[0, 1]")]})

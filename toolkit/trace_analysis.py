@@ -8,7 +8,12 @@ range, which spans exactly what the step timer measures):
   reduce_scatter, all_gather, all_to_all, send_recv, ...) and by parallel group of the
   placement (tp, cp, dp, pp, ep, ...)
 * exposed communication: communication while no compute runs
-* idle: neither (launch gaps, host work, pipeline bubbles)
+* idle: neither (launch gaps, host work, pipeline bubbles), and the part of it that is
+  `host_wait`: the GPU had run out of work because the host had not yet launched the next
+  kernel (the launch call, matched to its kernel by the trace's correlation id, came after
+  the GPU fell idle). A step whose idle is mostly host wait is bound by the host (Python,
+  kernel launches), not by the GPU or the network; HolisticTraceAnalysis calls this the
+  "host wait" share of idle time. Traces without launch records (trimmed) give None.
 * overlap %: communication overlapped with compute / communication (the definition of
   HolisticTraceAnalysis' `get_comm_comp_overlap`)
 
@@ -48,6 +53,8 @@ from .profiling import STEP_RANGE_PREFIX, TRACES_DIR, step_times_path
 
 COMMUNICATION_FILE = "communication.json"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# Host-side launch records (cudaLaunchKernel, cuLaunchKernel for Triton, cudaMemcpyAsync, ...)
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 # Megatron-Core's process-group descriptions -> the placement's group kinds.
 GROUP_OF_DESCRIPTION = {
@@ -143,6 +150,10 @@ class RankTrace:
     compute: np.ndarray  # union of non-communication GPU activity
     collectives: list[Collective] = field(default_factory=list)
     unknown_groups: set = field(default_factory=set)
+    # Every GPU activity's start, sorted, and the host time its launch was called (NaN:
+    # no launch record); None when the trace holds no launch records at all.
+    starts: np.ndarray | None = None
+    launches: np.ndarray | None = None
 
 
 def collective_kind(name: str, collective: str | None) -> str:
@@ -171,14 +182,18 @@ def load_rank_trace(path: Path, layout_pp: int) -> RankTrace:
         raise TraceError(f"{path}: unreadable trace ({e})") from e
     rank = int(doc.get("distributedInfo", {}).get("rank", re.findall(r"\d+", path.name)[0]))
     steps, compute, collectives, unknown = {}, [], [], set()
+    launch_ts, activity = {}, []  # correlation id -> host launch time; (start, correlation id)
     for e in doc.get("traceEvents", []):
         if e.get("ph") != "X":
             continue
         cat, name = e.get("cat"), e.get("name", "")
         if cat == "user_annotation" and name.startswith(STEP_RANGE_PREFIX):
             steps[int(name[len(STEP_RANGE_PREFIX):])] = (e["ts"], e["ts"] + e["dur"])
+        elif cat in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
+            launch_ts[e["args"]["correlation"]] = e["ts"]
         elif cat in GPU_CATEGORIES:
             span = (e["ts"], e["ts"] + e["dur"])
+            activity.append((e["ts"], e.get("args", {}).get("correlation")))
             if cat == "kernel" and _is_communication(e):
                 a = e.get("args", {})
                 desc = a.get("Process Group Description")
@@ -201,7 +216,36 @@ def load_rank_trace(path: Path, layout_pp: int) -> RankTrace:
                     if desc == "p2p" else f"{desc} {a.get('Process Group Ranks', '')}", size))
             else:
                 compute.append(span)
-    return RankTrace(rank, steps, union(compute), collectives, unknown)
+    starts = launches = None
+    if launch_ts:
+        activity.sort(key=lambda a: a[0])
+        starts = np.array([a[0] for a in activity], dtype=np.float64)
+        launches = np.array([launch_ts.get(c, np.nan) for _, c in activity], dtype=np.float64)
+    return RankTrace(rank, steps, union(compute), collectives, unknown, starts, launches)
+
+
+def host_wait(rt: RankTrace, busy: np.ndarray, lo: float, hi: float) -> float | None:
+    """Microseconds of [lo, hi) in which the GPU was idle because nothing had been launched yet.
+
+    For each idle gap, the activity that ends it is the first one starting at or after the
+    gap's end; the part of the gap before that activity's launch call is host wait (the
+    rest: the work was queued but waited, e.g. on another stream or an event).
+    """
+    if rt.starts is None:
+        return None
+    edges = np.concatenate([[lo], busy.reshape(-1)[:], [hi]]).reshape(-1, 2)  # gaps: [end_i, start_i+1]
+    out = 0.0
+    for g0, g1 in edges:
+        if g1 <= g0:
+            continue
+        k = int(np.searchsorted(rt.starts, g1 - 1e-3, side="left"))
+        if k >= len(rt.starts):
+            continue  # nothing ran after this gap inside the trace
+        same = rt.launches[k:np.searchsorted(rt.starts, rt.starts[k], side="right")]
+        if np.all(np.isnan(same)):
+            continue  # its launch was not recorded
+        out += min(max(np.nanmin(same), g0), g1) - g0
+    return out
 
 
 # Per step -------------------------------------------------------------------
@@ -235,12 +279,15 @@ def _breakdown(rt: RankTrace, lo: float, hi: float, wait: dict[int, float]) -> d
         return out
 
     comm_t = total(comm)
+    waited = host_wait(rt, clip(union(np.vstack([compute, comm])), lo, hi), lo, hi)
     rec = {
         "step_s": window * us,
         "compute_s": total(compute) * us,
         "comm_s": comm_t * us,
         "exposed_comm_s": (comm_t - overlapped) * us,
         "idle_s": (window - busy) * us,
+        "host_wait_s": None if waited is None else waited * us,
+        "gpu_activities": None if rt.starts is None else int(((rt.starts >= lo) & (rt.starts < hi)).sum()),
         # No communication at all: nothing to overlap; 0 % rather than an undefined ratio.
         "overlap_pct": 100.0 * overlapped / comm_t if comm_t > 0 else 0.0,
         "by_kind": part("kind"),
@@ -395,7 +442,8 @@ def summary_of(doc: dict) -> dict:
     if not doc.get("available"):
         return {"available": False, "reason": doc.get("reason")}
     m = doc["mean"]
-    keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "idle_s", "overlap_pct", "wait_s")
+    keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "idle_s", "host_wait_s", "gpu_activities",
+            "overlap_pct", "wait_s")
     out = {k: m[k] for k in keys if k in m}
     out["by_group"] = {g: {k: v for k, v in rec.items() if k in ("comm_s", "exposed_s", "wait_s", "bytes")}
                        for g, rec in m.get("by_group", {}).items()}
@@ -408,11 +456,12 @@ def format_report(doc: dict) -> str:
     if not doc.get("available"):
         return f"communication: not measured: {doc['reason']}"
     ms = 1e3
-    lines = ["rank  step ms  compute  exposed comm  idle   overlap  (ms; mean of traced steps)"]
+    lines = ["rank  step ms  compute  exposed comm  idle  host wait  overlap  (ms; mean of traced steps)"]
     for r, steps in doc["ranks"].items():
         m = _mean(list(steps.values()))
+        waited = "n/a" if m.get("host_wait_s") is None else f"{m['host_wait_s'] * ms:.1f}"
         lines.append(f"{r:>4} {m['step_s'] * ms:8.1f} {m['compute_s'] * ms:8.1f} {m['exposed_comm_s'] * ms:12.1f}"
-                     f" {m['idle_s'] * ms:6.1f} {m['overlap_pct']:7.1f} %")
+                     f" {m['idle_s'] * ms:6.1f} {waited:>10} {m['overlap_pct']:7.1f} %")
     lines.append("group  comm ms  exposed ms  wait ms  MB/step   (mean over ranks)")
     for g, rec in doc["mean"]["by_group"].items():
         wait = f"{rec['wait_s'] * ms:8.1f}" if rec.get("wait_s") is not None else "     n/a"

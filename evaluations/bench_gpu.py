@@ -1,6 +1,7 @@
 """Training throughput, MFU, exposed communication and memory on the local GPU(s).
 
     python -m gridwright.evaluations.bench_gpu [--suite performance|engines|all] [--only NAME ...]
+        [--one-gpu-cases-side-by-side]
 
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
 steps after the first. In the `performance` suite two steps are traced with torch.profiler
@@ -13,6 +14,10 @@ the same invocation.
 The `performance` suite (the default) runs each layout as it was (`..._base`: the
 torch-native spec uncompiled, Megatron-Core's SP communication) and with the faster
 paths of issue 13: compiled layers, async TP, FP8 through torchao.
+
+`--one-gpu-cases-side-by-side` runs the one-GPU cases two at a time, one per GPU (the
+table says so): it halves their wall time where device time is short, at the price of a
+shared host, which matters to host-bound cases; compare such rows only with each other.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gridwright.evaluations.results_file import stamp_now, write_markdown
@@ -40,29 +46,33 @@ BENCH_1GPU = ["+experiment=bench_gpu", "train.steps=14"]
 LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_length=4096",
              "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14"]
 DP2_OVERLAP = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]
+# Gradient reduction overlapped, the parameter all-gather not: DDP's parameter-gather
+# pre-hooks run inside compiled layers and make every layer compile its own graph.
+DP2_OVERLAP_GRAD = BENCH_2GPU + ["engine.overlap_grad_reduce=true"]
+MB4 = ["train.micro_batch_size=4"]
 LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
 TP2_SP = BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]
 # FP8 against bf16 over 200 steps is evaluations/fp8_loss_check.py (one GPU each, side by side).
 PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_base": (1, BENCH_1GPU),
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
-    "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=4"]),
+    "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + MB4),
     "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
-    "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise", "train.micro_batch_size=4"]),
+    "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),
     "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP),
     "bench_1b_dp2_overlap": (2, DP2_OVERLAP + FAST),
-    "bench_1b_dp2_overlap_mb4": (2, DP2_OVERLAP + FAST + ["train.micro_batch_size=4"]),
+    "bench_1b_dp2_overlap_grad": (2, DP2_OVERLAP_GRAD + FAST),
+    "bench_1b_dp2_overlap_grad_mb4": (2, DP2_OVERLAP_GRAD + FAST + MB4),
     "bench_1b_tp2_sp_base": (2, TP2_SP),
     "bench_1b_tp2_sp_compiled": (2, TP2_SP + FAST),
     "bench_1b_tp2_sp": (2, TP2_SP + TP_FAST),
-    "bench_1b_tp2_sp_compiled_mb4": (2, TP2_SP + FAST + ["train.micro_batch_size=4"]),
+    "bench_1b_tp2_sp_mb4": (2, TP2_SP + FAST + MB4),
     "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"]),
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
-    "bench_1b_cp2_conn8": (2, BENCH_2GPU + ["parallel.cp=2", "engine.cuda_device_max_connections=8"] + FAST),
-    "bench_1b_cp2_mb4": (2, BENCH_2GPU + ["parallel.cp=2", "train.micro_batch_size=4"] + FAST),
+    "bench_1b_cp2_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + MB4),
     "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
-    "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
+    "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + FAST + ["name=llama3_8b_16l_tp2_sp"]),
 }.items()}
 ENGINES = {
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
@@ -144,14 +154,17 @@ def start_from(overrides: list[str], weights: dict[str, Path] | None) -> list[st
     return [f"checkpoint.load={weights['megatron']}"]
 
 
-def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str]) -> dict:
+def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str], gpu: int | None = None) -> dict:
+    """One case as a launch.py run; `gpu`: pin a one-GPU case to that device."""
     job_dir = jobs / name
     cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, text=True, capture_output=True)
+    proc = subprocess.run(cmd, text=True, capture_output=True, env=env)
     print(proc.stdout[-2500:], proc.stderr[-4000:] if proc.returncode else "", flush=True)
     engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
-    row = {"case": name, "gpus": gpus, "engine": engine, "exit_code": proc.returncode, "job_dir": str(job_dir)}
+    row = {"case": name, "gpus": gpus, "engine": engine, "exit_code": proc.returncode, "job_dir": str(job_dir),
+           "side_by_side": gpu is not None}
     summary = job_dir / "summary.json"
     if proc.returncode == 0 and summary.exists():
         s = json.loads(summary.read_text())
@@ -203,9 +216,11 @@ def _layout(job_dir: Path) -> str:
 
 def table(rows: list[dict], card: str) -> str:
     groups = sorted({g for r in rows for g in r.get("exposed_ms_by_group") or {}})
+    side = [r["case"] for r in rows if r.get("side_by_side")]
     lines = [
         f"GPU: {card}",
         "",
+        *([f"Run side by side, two at a time (one GPU each, one host): {', '.join(side)}.", ""] if side else []),
         "MFU: model FLOPs / peak; `megatron` halves causal attention (Megatron-LM), `palm` counts it in full. "
         "FP8 rows divide by the FP8 peak, and also by the bf16 peak (column `MFU megatron / bf16 peak`). "
         "Exposed communication: NCCL time with no compute on the GPU; wait: NCCL time before the last member "
@@ -248,19 +263,33 @@ def main() -> None:
                     "Megatron-Core conversion (both engines; Megatron-FSDP, which loads no checkpoint, from the seed)")
     ap.add_argument("--jobs", type=Path, help="keep the job directories here (to log them into MLflow later "
                     "with python -m gridwright.sync); default: a temporary directory")
+    ap.add_argument("--one-gpu-cases-side-by-side", action="store_true",
+                    help="run the one-GPU cases two at a time, one per GPU")
     args = ap.parse_args()
     n = torch.cuda.device_count()
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     weights = write_same_weights(jobs) if args.same_weights else None
     rows, stamp = [], stamp_now()
+    cases = []
     for name, (gpus, overrides) in SUITES[args.suite].items():
         if args.only and name not in args.only:
             continue
         if gpus > n:
             print(f"skip {name}: needs {gpus} GPUs, {n} present")
             continue
-        rows.append(run_case(name, gpus, overrides + start_from(overrides, weights), jobs, device_overrides()))
+        cases.append((name, gpus, overrides + start_from(overrides, weights)))
+    pairs = args.one_gpu_cases_side_by_side and n >= 2
+    ones = [c for c in cases if c[1] == 1] if pairs else []
+    for i in range(0, len(ones), 2):  # two one-GPU cases at a time, GPU 0 and GPU 1
+        with ThreadPoolExecutor(2) as pool:
+            rows += list(pool.map(lambda c: run_case(*c[1][:3], jobs, device_overrides(), gpu=c[0]),
+                                  enumerate(ones[i:i + 2])))
+        write_results(args.out, stamp, rows, card, n)
+    for name, gpus, overrides in cases:
+        if (name, gpus, overrides) in ones:
+            continue
+        rows.append(run_case(name, gpus, overrides, jobs, device_overrides()))
         write_results(args.out, stamp, rows, card, n)  # after every case: a cut-short call keeps the rest
     print(write_results(args.out, stamp, rows, card, n), flush=True)
 

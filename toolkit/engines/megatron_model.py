@@ -154,6 +154,10 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=k.shape[1] != q.shape[1],
         )
 
+    # Eager inside compiled layers: dynamo cannot trace SDPA's lower-right causal bias (torch
+    # 2.11), and a graph break in the chunk loop would drop the whole frame to eager with a
+    # recompile per shape anyway; the attention kernels are the same either way.
+    @torch.compiler.disable
     def _context_parallel(self, q, k, v):
         """Context parallelism: every rank's keys and values gathered, then one causal SDPA
         per local chunk over the keys before it (Megatron-Core's load-balanced layout gives
@@ -291,14 +295,16 @@ def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
         spec.submodules.self_attention.submodules.k_layernorm = TorchRMSNorm
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
-    if getattr(tcfg, "gridwright_tp_comm_overlap", False) or getattr(tcfg, "gridwright_float8", None):
-        from ..megatron_internals.parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
+    # gridwright's linears always (they are Megatron-Core's unless tp_comm_overlap or torchao
+    # FP8 asks for more): the row-parallel one also passes its TP group on, which upstream's
+    # forward does not (see parallel_linear).
+    from ..megatron_internals.parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
 
-        attention = spec.submodules.self_attention.submodules
-        attention.linear_qkv, attention.linear_proj = GridwrightColumnParallelLinear, GridwrightRowParallelLinear
-        if not num_experts:  # experts keep Megatron-Core's (validation refuses torchao FP8 with MoE)
-            mlp = spec.submodules.mlp.submodules
-            mlp.linear_fc1, mlp.linear_fc2 = GridwrightColumnParallelLinear, GridwrightRowParallelLinear
+    attention = spec.submodules.self_attention.submodules
+    attention.linear_qkv, attention.linear_proj = GridwrightColumnParallelLinear, GridwrightRowParallelLinear
+    if not num_experts:  # experts keep Megatron-Core's (validation refuses torchao FP8 with MoE)
+        mlp = spec.submodules.mlp.submodules
+        mlp.linear_fc1, mlp.linear_fc2 = GridwrightColumnParallelLinear, GridwrightRowParallelLinear
     layers = get_num_layers_to_build(tcfg, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchRMSNorm)
 

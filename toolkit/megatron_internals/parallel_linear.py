@@ -35,6 +35,9 @@ CITED = [
     ("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
     ("tensor_parallel/layers.py", "output_parallel = self._forward_impl("),
     ("tensor_parallel/layers.py", "output_ = reduce_scatter_to_sequence_parallel_region("),
+    # RowParallelLinear.forward hands _forward_impl no group (the warning _forward_impl avoids)
+    ("tensor_parallel/layers.py", "tp_group=None,"),
+    ("utils.py", "Warning: tp_group is None, using default tp group."),
 ]
 
 
@@ -171,8 +174,10 @@ class GridwrightColumnParallelLinear(ColumnParallelLinear):
                       sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
         overlap, fp8 = _choices(self.config)
         if not weight.requires_grad or not (overlap and sequence_parallel or fp8):
+            # by keyword: upstream's function has a deprecated parameter before tp_group
             return super()._forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                                         sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)
+                                         sequence_parallel, grad_output_buffer=grad_output_buffer,
+                                         wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group)
         if sequence_parallel and fp8 is None:  # overlap
             out = _AllGatherMatmul.apply(input, weight, self.tp_group)
         else:
@@ -190,6 +195,12 @@ class GridwrightRowParallelLinear(RowParallelLinear):
     module docstring says."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
+        # Upstream's forward passes tp_group=None, and Megatron-Core then warns on rank 0 only,
+        # on every call. Eagerly that is host time on one rank; compiled, each warning is a
+        # graph break on rank 0 alone, so rank 0 runs more graphs per layer than the others and
+        # they wait for it at every collective. The layer's own group is the same group.
+        if kwargs.get("tp_group", self.tp_group) is None:
+            kwargs["tp_group"] = self.tp_group
         overlap, fp8 = _choices(self.config)
         if fp8 is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)

@@ -61,9 +61,8 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
     "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),
     "bench_1b_tp2_sp_base": (2, TP2_SP),
-    "bench_1b_tp2_sp_compiled": (2, TP2_SP + FAST),
+    "bench_1b_tp2_sp_base_mb4": (2, TP2_SP + MB4),
     "bench_1b_tp2_sp": (2, TP2_SP + TP_FAST),
-    "bench_1b_tp2_sp_mb4": (2, TP2_SP + FAST + MB4),
     "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP),
     "bench_1b_dp2_overlap_grad": (2, DP2_OVERLAP_GRAD + FAST),
     "bench_1b_dp2_overlap_grad_mb4": (2, DP2_OVERLAP_GRAD + FAST + MB4),
@@ -72,7 +71,7 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
     "bench_1b_cp2_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + MB4),
     "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
-    "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + FAST + ["name=llama3_8b_16l_tp2_sp"]),
+    "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
 }.items()}
 ENGINES = {
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),

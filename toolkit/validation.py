@@ -289,6 +289,16 @@ def fp8_without_te(recipe: str) -> str:
 TORCHAO_MISSING = "precision.fp8_backend=torchao needs torchao, which is not installed here: pip install torchao."
 
 
+# Measured on 2 x H200 (evaluations/results/bench_gpu_20261127-1530.md): both compiled TP=2+SP
+# runs over Megatron-Core's own tensor-parallel linears stayed at loss 10.48 after 14 steps
+# where the eager run reached 8.88; on CPU the same run matches eager, so no CPU test can
+# show it. With tp_comm_overlap the layers hold gridwright's linears, and that run learned.
+COMPILED_MEGATRON_TP = (
+    "engine.compile_layers=true with parallel.tp>1 would compile Megatron-Core's tensor-parallel linears, "
+    "and on GPU such a run did not learn (TP=2+SP: loss 10.48 against 8.88 uncompiled after 14 steps; cause not "
+    "found): add engine.tp_comm_overlap=true with parallel.sp=true (gridwright's linears), or compile_layers=false.")
+
+
 def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     e = cfg.engine
     if e.cuda_device_max_connections is not None and not 1 <= e.cuda_device_max_connections <= 32:
@@ -296,6 +306,8 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]
+    if e.compile_layers and cfg.parallel.tp > 1 and not e.tp_comm_overlap:
+        return [COMPILED_MEGATRON_TP]
     keys = _torch_native_keys_on(e)
     if keys and e.name != "megatron":
         return [f"engine.{keys[0]}=true is wired for engine=megatron only (the torch-native layer spec)."]

@@ -153,17 +153,20 @@ def start_from(overrides: list[str], weights: dict[str, Path] | None) -> list[st
     return [f"checkpoint.load={weights['megatron']}"]
 
 
-def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str], gpu: int | None = None) -> dict:
-    """One case as a launch.py run; `gpu`: pin a one-GPU case to that device."""
+def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str], gpu: int | None = None,
+             side_by_side: bool = False) -> dict:
+    """One case as a launch.py run; `gpu`: pin a one-GPU case to that device (an index
+    into the devices this process sees); `side_by_side`: another case runs beside it."""
     job_dir = jobs / name
     cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
-    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-    print("+", " ".join(cmd), flush=True)
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": _visible_device(gpu)}
+    print(f"+ [{name}]", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, text=True, capture_output=True, env=env)
-    print(proc.stdout[-2500:], proc.stderr[-4000:] if proc.returncode else "", flush=True)
+    # Labelled: side by side, two cases' outputs arrive in the order they finish.
+    print(f"[{name}] output:\n{proc.stdout[-2500:]}", proc.stderr[-4000:] if proc.returncode else "", flush=True)
     engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
     row = {"case": name, "gpus": gpus, "engine": engine, "exit_code": proc.returncode, "job_dir": str(job_dir),
-           "side_by_side": gpu is not None}
+           "side_by_side": side_by_side}
     summary = job_dir / "summary.json"
     if proc.returncode == 0 and summary.exists():
         s = json.loads(summary.read_text())
@@ -201,6 +204,12 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             layout=(job_dir / "config.yaml").exists() and _layout(job_dir),
         )
     return row
+
+
+def _visible_device(index: int) -> str:
+    """The index-th device this process sees, as CUDA_VISIBLE_DEVICES names it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
 
 
 def _ms(seconds):
@@ -265,6 +274,10 @@ def main() -> None:
     ap.add_argument("--one-gpu-cases-side-by-side", action="store_true",
                     help="run the one-GPU cases two at a time, one per GPU")
     args = ap.parse_args()
+    unknown = sorted(set(args.only or ()) - set(SUITES[args.suite]))
+    if unknown:
+        print(f"error: no case {', '.join(unknown)} in the {args.suite} suite", file=sys.stderr)
+        sys.exit(2)
     n = torch.cuda.device_count()
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
@@ -281,9 +294,10 @@ def main() -> None:
     pairs = args.one_gpu_cases_side_by_side and n >= 2
     ones = [c for c in cases if c[1] == 1] if pairs else []
     for i in range(0, len(ones), 2):  # two one-GPU cases at a time, GPU 0 and GPU 1
+        batch = ones[i:i + 2]
         with ThreadPoolExecutor(2) as pool:
-            rows += list(pool.map(lambda c: run_case(*c[1][:3], jobs, device_overrides(), gpu=c[0]),
-                                  enumerate(ones[i:i + 2])))
+            rows += list(pool.map(lambda c: run_case(*c[1], jobs, device_overrides(), gpu=c[0],
+                                                     side_by_side=len(batch) == 2), enumerate(batch)))
         write_results(args.out, stamp, rows, card, n)
     for name, gpus, overrides in cases:
         if (name, gpus, overrides) in ones:

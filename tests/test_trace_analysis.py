@@ -82,16 +82,22 @@ def test_host_wait_is_the_idle_time_before_the_next_launch(tmp_path):
     # at 5, long before the gap [30,34) began: that gap waited on something else, not the host.
     # The trailing gap [38,40) has no later kernel in the trace: not counted.
     # rank 1: the same kernels without launch records (a trimmed trace): not measured.
-    job = _write_job(tmp_path, {
+    events = {
         0: [*_launched(_kernel(0, 10), -3, 1), *_launched(_kernel(20, 10), 16, 2), *_launched(_kernel(34, 4), 5, 3)],
         1: [_kernel(0, 10), _kernel(20, 10), _kernel(34, 4)],
-    })
+    }
+    job = _write_job(tmp_path, events)
     doc = analyze(job)
     r0, r1 = doc["ranks"]["0"]["7"], doc["ranks"]["1"]["7"]
     assert r0["idle_s"] == pytest.approx(16e-6) and r0["host_wait_s"] == pytest.approx(6e-6)
-    assert r0["gpu_activities"] == 3
+    assert r0["gpu_activities"] == 3 and r1["gpu_activities"] == 3  # counted without launch records too
     assert r1["idle_s"] == pytest.approx(16e-6) and r1["host_wait_s"] is None
+    # one rank unmeasured: no mean, rather than a mean that counts it as zero
+    assert doc["mean"]["host_wait_s"] is None and doc["mean"]["gpu_activities"] == 3
     assert "host wait" in format_report(doc)
+    (tmp_path / "both").mkdir()
+    both = analyze(_write_job(tmp_path / "both", {0: events[0], 1: events[0]}))
+    assert both["mean"]["host_wait_s"] == pytest.approx(6e-6)
 
 
 def test_a_communicator_that_is_not_the_planned_group_is_reported(tmp_path):

@@ -44,7 +44,7 @@ BROKEN = {
     "compile_on_deepspeed": (["engine=deepspeed", "zero=stage1", "engine.compile_layers=true"],
                              ["engine.compile_layers=true is wired for engine=megatron only"]),
     "compile_megatron_tp": (["parallel.tp=2", "engine.compile_layers=true"],
-                            ["would compile Megatron-Core's tensor-parallel linears", "engine.tp_comm_overlap=true"]),
+                            ["would compile Megatron-Core's tensor-parallel linear function", "engine.tp_comm_overlap=true"]),
     "max_connections": (["engine.cuda_device_max_connections=0"], ["engine.cuda_device_max_connections=0 must be 1 to 32"]),
     "rowwise_on_te": (["precision=fp8_rowwise", "precision.fp8_backend=transformer_engine"],
                       ["rowwise is torchao's"]),

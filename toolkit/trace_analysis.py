@@ -151,8 +151,8 @@ class RankTrace:
     collectives: list[Collective] = field(default_factory=list)
     unknown_groups: set = field(default_factory=set)
     # Every GPU activity's start, sorted, and the host time its launch was called (NaN:
-    # no launch record); None when the trace holds no launch records at all.
-    starts: np.ndarray | None = None
+    # no launch record); launches is None when the trace holds no launch records at all.
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(0))
     launches: np.ndarray | None = None
 
 
@@ -216,11 +216,9 @@ def load_rank_trace(path: Path, layout_pp: int) -> RankTrace:
                     if desc == "p2p" else f"{desc} {a.get('Process Group Ranks', '')}", size))
             else:
                 compute.append(span)
-    starts = launches = None
-    if launch_ts:
-        activity.sort(key=lambda a: a[0])
-        starts = np.array([a[0] for a in activity], dtype=np.float64)
-        launches = np.array([launch_ts.get(c, np.nan) for _, c in activity], dtype=np.float64)
+    activity.sort(key=lambda a: a[0])
+    starts = np.array([a[0] for a in activity], dtype=np.float64)
+    launches = np.array([launch_ts.get(c, np.nan) for _, c in activity], dtype=np.float64) if launch_ts else None
     return RankTrace(rank, steps, union(compute), collectives, unknown, starts, launches)
 
 
@@ -231,7 +229,7 @@ def host_wait(rt: RankTrace, busy: np.ndarray, lo: float, hi: float) -> float | 
     gap's end; the part of the gap before that activity's launch call is host wait (the
     rest: the work was queued but waited, e.g. on another stream or an event).
     """
-    if rt.starts is None:
+    if rt.launches is None:
         return None
     edges = np.concatenate([[lo], busy.reshape(-1)[:], [hi]]).reshape(-1, 2)  # gaps: [end_i, start_i+1]
     out = 0.0
@@ -287,7 +285,7 @@ def _breakdown(rt: RankTrace, lo: float, hi: float, wait: dict[int, float]) -> d
         "exposed_comm_s": (comm_t - overlapped) * us,
         "idle_s": (window - busy) * us,
         "host_wait_s": None if waited is None else waited * us,
-        "gpu_activities": None if rt.starts is None else int(((rt.starts >= lo) & (rt.starts < hi)).sum()),
+        "gpu_activities": int(((rt.starts >= lo) & (rt.starts < hi)).sum()),
         # No communication at all: nothing to overlap; 0 % rather than an undefined ratio.
         "overlap_pct": 100.0 * overlapped / comm_t if comm_t > 0 else 0.0,
         "by_kind": part("kind"),
@@ -335,7 +333,10 @@ def _mean(records: list[dict]) -> dict:
         for k in keys:
             vals = [d.get(k) for d in dicts]
             present = [v for v in vals if v is not None]
-            if not present:
+            # A key that is there but None was not measured (host wait without launch
+            # records, bytes of p2p kernels): no mean. A key that is absent is zero (a group
+            # with no calls in that step).
+            if not present or any(k in d and d[k] is None for d in dicts):
                 out[k] = None
             elif isinstance(present[0], dict):
                 out[k] = avg([v or {} for v in vals])

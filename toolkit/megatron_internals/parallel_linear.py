@@ -36,7 +36,7 @@ CITED = [
     ("tensor_parallel/layers.py", "output_parallel = self._forward_impl("),
     ("tensor_parallel/layers.py", "output_ = reduce_scatter_to_sequence_parallel_region("),
     # RowParallelLinear.forward hands _forward_impl no group (the warning _forward_impl avoids)
-    ("tensor_parallel/layers.py", "tp_group=None,"),
+    ("tensor_parallel/layers.py", "sequence_parallel=False,\n            tp_group=None,\n            grad_output_buffer=None,"),
     ("utils.py", "Warning: tp_group is None, using default tp group."),
 ]
 

@@ -84,6 +84,12 @@ LAYOUTS = {
     # SP's all-gather/reduce-scatter fused with the matmuls (gridwright.megatron_internals.parallel_linear;
     # on CPU the same autograd functions with plain collectives)
     "tp2_sp_overlap": ("tiny_llama", ["+experiment=tiny_llama_tp2", "parallel.sp=true", "engine.tp_comm_overlap=true"]),
+    # compiled layers (inductor on CPU) on each dimension that allows them (TP only with
+    # the overlap functions: validation refuses compiling Megatron-Core's TP linears)
+    "tp2_sp_overlap_compiled": ("tiny_llama", ["+experiment=tiny_llama_tp2", "parallel.sp=true",
+                                               "engine.tp_comm_overlap=true", "engine.compile_layers=true"]),
+    "dp2_compiled": ("tiny_llama", ["engine.compile_layers=true"]),
+    "cp2_compiled": ("tiny_llama", ["parallel.cp=2", "engine.compile_layers=true"]),
     "pp2": ("tiny_llama", ["+experiment=tiny_llama_pp2"]),
     "pp2_vpp2": ("tiny_llama", ["+experiment=tiny_llama_pp2", "parallel.vpp=2"]),
     "dp2_distopt_overlap": ("tiny_llama", ["zero=stage1", "engine.overlap_grad_reduce=true",
@@ -139,8 +145,12 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name, sin
     ck, one = single_process_run(model, "distopt" in name)
     two = train(run_launch, tmp_path, "two", *layout, "train.steps=6", f"checkpoint.load={ck}")
     assert sorted(two) == [2, 3, 4, 5]
-    if "overlap" in name and "tp" in name:  # the fused linears were built (the spec is read from the model)
-        assert json.loads((tmp_path / "two" / "summary.json").read_text())["layer_spec"] == "local+sdpa+tp_overlap"
+    spec = json.loads((tmp_path / "two" / "summary.json").read_text())["layer_spec"]  # read from the model
+    compiled = "+compiled" if "compiled" in name else ""
+    if "overlap" in name and "tp" in name:  # the fused linears were built
+        assert spec == f"local+sdpa{compiled}+tp_overlap"
+    elif compiled:
+        assert spec == "local+sdpa+compiled"
     for step in two:
         # fp32 on CPU; reductions are ordered differently across layouts.
         assert two[step] == pytest.approx(one[step], abs=1e-4), (step, one[step], two[step])

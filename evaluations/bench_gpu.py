@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gridwright.evaluations.results_file import stamp_now, write_markdown
+from gridwright.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +171,7 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     summary = job_dir / "summary.json"
     if proc.returncode == 0 and summary.exists():
         s = json.loads(summary.read_text())
-        history = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+        history = read_metrics(job_dir)
         last, losses = history[-1], [h["loss"] for h in history]
         comm = s.get("communication") or {}
         from omegaconf import OmegaConf

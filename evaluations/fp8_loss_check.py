@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from gridwright.evaluations.results_file import write_markdown
+from gridwright.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,9 +56,9 @@ def main() -> None:
             continue
         job = jobs / precision
         s = json.loads((job / "summary.json").read_text())
-        losses = [json.loads(line)["loss"] for line in (job / "metrics.jsonl").read_text().splitlines()]
+        losses = [record["loss"] for record in read_metrics(job)]
         rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
-                               spec=s.get("layer_spec"), losses=losses, steps=len(losses))
+                               spec=s.get("layer_spec"), losses=losses)
     base = rows.get("bf16")
     lines = [f"GPU: 1 x {card} per run (runs side by side), torch {torch.__version__}; bench model, sequence 4096, "
              f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
@@ -73,7 +74,7 @@ def main() -> None:
         speed = f"{r['tokens'] / base['tokens']:.2f}x" if base else ""
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {r['tokens']:,.0f} | {speed} | {mfu} |")
-    logged = min((r["steps"] for r in rows.values()), default=0)  # the same for every run of one call
+    logged = min((len(r["losses"]) for r in rows.values()), default=0)  # the same for every run of one call
     lines += ["", "Loss curve (mean over each tenth of the run):", "",
               "| precision | " + " | ".join(f"steps {a}-{b}" for a, b in tenths(logged)) + " |",
               "| --- " * (1 + len(tenths(logged))) + "|"]

@@ -15,8 +15,9 @@ import json
 import shutil
 from pathlib import Path
 
-KEEP_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation"}
-LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+from gridwright.trace_analysis import GPU_CATEGORIES, LAUNCH_CATEGORIES
+
+KEEP_CATEGORIES = {*GPU_CATEGORIES, "user_annotation", "gpu_user_annotation"}
 
 
 def trim(src: Path, dst: Path) -> None:

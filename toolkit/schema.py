@@ -119,7 +119,7 @@ class EngineConfig:
     # torch.compile each transformer layer (the torch-native spec; fuses norms, SwiGLU,
     # rotary and casts). On 2 x H200 it gave +7 points of MFU at 1 GPU and DP=2 (README). Off
     # by default: it costs 20-80 s at start (CPU runs: inductor's C++ build), and with TP>1
-    # it is refused unless tp_comm_overlap puts gridwright's linears in the layers.
+    # it is refused unless tp_comm_overlap makes the layers' TP functions gridwright's own.
     compile_layers: bool = False
     # With sequence parallelism on the torch-native spec: fuse SP's all-gather and
     # reduce-scatter with the neighbouring matmuls through torch's symmetric memory

@@ -231,7 +231,7 @@ def host_wait(rt: RankTrace, busy: np.ndarray, lo: float, hi: float) -> float | 
     """
     if rt.launches is None:
         return None
-    edges = np.concatenate([[lo], busy.reshape(-1)[:], [hi]]).reshape(-1, 2)  # gaps: [end_i, start_i+1]
+    edges = np.concatenate([[lo], busy.reshape(-1), [hi]]).reshape(-1, 2)  # gaps: [end_i, start_i+1]
     out = 0.0
     for g0, g1 in edges:
         if g1 <= g0:
@@ -253,7 +253,8 @@ def _breakdown(rt: RankTrace, lo: float, hi: float, wait: dict[int, float]) -> d
     inside = [i for i, c in enumerate(rt.collectives) if c.end > lo and c.start < hi]
     comm = clip(union([(rt.collectives[i].start, rt.collectives[i].end) for i in inside]), lo, hi)
     overlapped = total(intersect(comm, compute))
-    busy = total(union(np.vstack([compute, comm])))
+    busy_spans = union(np.vstack([compute, comm]))
+    busy = total(busy_spans)
     window = hi - lo
     us = 1e-6
 
@@ -277,7 +278,7 @@ def _breakdown(rt: RankTrace, lo: float, hi: float, wait: dict[int, float]) -> d
         return out
 
     comm_t = total(comm)
-    waited = host_wait(rt, clip(union(np.vstack([compute, comm])), lo, hi), lo, hi)
+    waited = host_wait(rt, busy_spans, lo, hi)
     rec = {
         "step_s": window * us,
         "compute_s": total(compute) * us,

@@ -232,17 +232,15 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
     "local+sdpa+compiled+tp_overlap+float8_tensorwise(torchao)"."""
     if te_available:
         return "transformer_engine"
-    from ..megatron_internals.parallel_linear import GridwrightColumnParallelLinear, GridwrightRowParallelLinear
-
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
-    ours = any(isinstance(m, (GridwrightColumnParallelLinear, GridwrightRowParallelLinear))
-               for chunk in chunks for m in chunk.modules())
     name = "local+sdpa"
     if layers and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers):
         name += "+compiled"
-    if ours and tcfg.gridwright_tp_comm_overlap:
+    # The torch-native spec always holds gridwright's linears (layer_spec); these flags are
+    # what they read.
+    if tcfg.gridwright_tp_comm_overlap:
         name += "+tp_overlap"
-    if ours and tcfg.gridwright_float8 is not None:
+    if tcfg.gridwright_float8 is not None:
         name += "+" + tcfg.gridwright_float8_name
     return name
 

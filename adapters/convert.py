@@ -32,6 +32,7 @@ import torch
 
 from ..atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
 from ..checkpoint_dir import LATEST, iteration_name
+from ..checkpoint_trust import TRUST_FLAG, UntrustedCheckpointFile, guard_process
 from ..families import weight_table as wm
 from ..families.declaration import UnsupportedModel
 from ..families.hf_config import (
@@ -304,6 +305,8 @@ def megatron_to_hf(megatron_dir, out_dir, model_config=None, dtype=None, overwri
     out_dir = Path(out_dir)
     try:
         reader = CheckpointReader(it)
+    except UntrustedCheckpointFile:
+        raise
     except Exception as e:  # a missing or corrupt .metadata or common.pt
         raise ConversionError(f"{it} is not a readable Megatron-Core checkpoint: {e}") from e
     model = _model_from_yaml(Path(model_config)) if model_config else reader.common.get("model_config")
@@ -462,6 +465,9 @@ def _parser() -> argparse.ArgumentParser:
         for opt in ("--tp", "--pp", "--ep"):
             p.add_argument(opt, type=int, default=1, help=f"target {opt[2:].upper()} (validated, recorded, verified)")
         p.add_argument("--vpp", type=int, default=None, help="target virtual pipeline stages per rank")
+    for p in (b, c, d):
+        p.add_argument(TRUST_FLAG, action="store_true", help="read the checkpoint's pickled files with full pickle, "
+                       "which can run code they carry (default: an allowlist; only for a checkpoint you trust)")
     for p in (b, c):
         p.add_argument("--max-shard-gib", type=float, default=2.0, help="largest safetensors file")
     for p in (a, b, c, d):
@@ -537,6 +543,7 @@ def _digest_verifier(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    guard_process(trust=getattr(args, "trust_pickled_code", False))  # before any checkpoint file is read
     untested = megatron_core_refusal()
     if untested:
         print(f"error: {untested}", file=sys.stderr)
@@ -565,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             record = deepspeed_to_megatron(args.deepspeed, args.out, args.tp, args.pp, args.vpp, args.ep, args.name,
                                            dtype, args.overwrite, check_hf=_digest_verifier(args) if check else None,
                                            before_publish=check)
-    except (ValueError, FileExistsError) as e:  # bad input (ConversionError, UnsupportedModel, BadCheckpoint...)
+    except (ValueError, FileExistsError, UntrustedCheckpointFile) as e:  # bad input (ConversionError, ...)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
     except VerificationFailed as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint_dir import DEEPSPEED_MANIFEST, CheckpointError, checkpoint_to_load, engine_of
+from ..checkpoint_trust import load_torch_file, refuse_pickled_code
 
 
 class NotADeepSpeedCheckpoint(ValueError):
@@ -45,11 +46,11 @@ def read_manifest(iteration: Path) -> dict:
 def consolidated_weights(iteration: Path) -> dict[str, torch.Tensor]:
     """Every weight of the model saved in `iteration`, whole, by Hugging Face name (fp32
     master weights where the optimizer keeps them)."""
+    refuse_pickled_code(iteration)  # before DeepSpeed's own readers touch a file
     files = read_manifest(iteration)["files"]
     if any(name.endswith("optim_states.pt") for name in files):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(iteration.parent), tag=iteration.name))
-    # A local, trusted file that DeepSpeed pickles with non-tensor objects (its config).
-    state = torch.load(iteration / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    state = load_torch_file(iteration / "mp_rank_00_model_states.pt")
     return dict(state["module"])

@@ -33,6 +33,9 @@ def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, s
 
 
 def main() -> None:
+    from ..checkpoint_trust import guard_process, inherited_trust
+
+    guard_process(trust=inherited_trust())
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True, help="an iter_N directory")
     ap.add_argument("--tokens", required=True)

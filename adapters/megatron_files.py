@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..checkpoint_dir import CheckpointError, latest_checkpoint, read_common
+from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code
 
 class NotAMegatronCheckpoint(ValueError):
     """Bad input: the path holds no Megatron-Core checkpoint."""
@@ -201,9 +202,9 @@ class CheckpointReader:
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
+        refuse_pickled_code(self.dir)  # before torch's own reader touches a file
         self.tensors = {
-            k: v for k, v in FileSystemReader(str(self.dir)).read_metadata().state_dict_metadata.items()
-            if hasattr(v, "size")
+            k: v for k, v in read_dcp_metadata(self.dir).state_dict_metadata.items() if hasattr(v, "size")
         }
         self.common = read_common(self.dir)
 

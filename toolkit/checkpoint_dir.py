@@ -20,6 +20,8 @@ import re
 import socket
 from pathlib import Path
 
+from .checkpoint_trust import UntrustedCheckpointFile, load_torch_file, read_dcp_metadata, refuse_pickled_code
+
 LATEST = "latest"
 WRITER_LOCK = ".writer.lock"  # POSIX lock held by the one run writing this root (see hold_writer_lock)
 # Written last into a DeepSpeed checkpoint: what the run was (common state) and every
@@ -65,11 +67,12 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return path
 
 
-def damage(path: str | os.PathLike) -> str | None:
+def damage(path: str | os.PathLike, trust: bool | None = None) -> str | None:
     """What is wrong with one checkpoint directory's files, or None when every file the
     checkpoint's index (`.metadata`, torch.distributed.checkpoint's) names is present and
     long enough, and both metadata files read. A truncated shard fails here, before any
-    process starts, instead of deep inside a load."""
+    process starts, instead of deep inside a load. A `.metadata` that would run code
+    raises UntrustedCheckpointFile (unless `trust`)."""
     path = Path(path)
     if (path / DEEPSPEED_MANIFEST).exists():
         return _deepspeed_damage(path)
@@ -79,10 +82,10 @@ def damage(path: str | os.PathLike) -> str | None:
         return f"{path / 'metadata.json'} is unreadable ({type(e).__name__})"
     if not (path / "common.pt").is_file():
         return f"{path / 'common.pt'} is missing"
-    from torch.distributed.checkpoint import FileSystemReader  # lazy: only when a load is planned
-
     try:
-        index = FileSystemReader(str(path)).read_metadata()
+        index = read_dcp_metadata(path, trust=trust)
+    except UntrustedCheckpointFile:
+        raise
     except Exception as e:  # a truncated or foreign pickle
         return f"{path / '.metadata'} is unreadable ({type(e).__name__})"
     needed: dict[str, int] = {}
@@ -122,22 +125,22 @@ def holds_checkpoints(root: str | os.PathLike) -> bool:
     return (Path(root) / LATEST).is_file()
 
 
-def newest_intact(root: str | os.PathLike, besides: Path) -> Path | None:
+def newest_intact(root: str | os.PathLike, besides: Path, trust: bool | None = None) -> Path | None:
     """The newest complete, undamaged checkpoint under `root` other than `besides`."""
     found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name) and p != besides]
-    return next((p for p in sorted(found, key=step_of, reverse=True) if damage(p) is None), None)
+    return next((p for p in sorted(found, key=step_of, reverse=True) if damage(p, trust) is None), None)
 
 
-def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False) -> Path | None:
+def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False, trust: bool | None = None) -> Path | None:
     """The checkpoint a run resumes from: the latest, if intact; with `fallback`, else the
     newest intact one. A damaged latest is refused, naming the one that would load."""
     path = latest_checkpoint(root)
     if path is None:
         return None
-    problem = damage(path)
+    problem = damage(path, trust)
     if problem is None:
         return path
-    older = newest_intact(root, besides=path)
+    older = newest_intact(root, besides=path, trust=trust)
     if fallback and older is not None:
         return older
     hint = (f"The newest intact checkpoint is {older.name}: set checkpoint.fallback=true to resume from it."
@@ -198,13 +201,12 @@ def writer_problem(root: str | os.PathLike) -> str | None:
     return None
 
 
-def read_common(path: str | os.PathLike) -> dict:
-    """The common (non-sharded) state of one checkpoint directory: step, model, layout..."""
+def read_common(path: str | os.PathLike, trust: bool | None = None) -> dict:
+    """The common (non-sharded) state of one checkpoint directory: step, model, layout...
+    (`common.pt` is a torch pickle: read through the allowlist unless `trust`)."""
     if engine_of(path) == "deepspeed":
         return json.loads((Path(path) / DEEPSPEED_MANIFEST).read_text())["common"]
-    import torch  # the one torch use here: common.pt is a torch pickle
-
-    return torch.load(Path(path) / "common.pt", map_location="cpu", weights_only=False)["common"]
+    return load_torch_file(Path(path) / "common.pt", trust=trust)["common"]
 
 
 def model_differences(recorded: dict, model_cfg) -> list[str]:
@@ -249,20 +251,22 @@ def deepspeed_resharding(saved: dict, wanted: dict) -> str:
 
 
 def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False, engine: str | None = None,
-                     settings: dict | None = None) -> str | None:
+                     settings: dict | None = None, trust: bool = False) -> str | None:
     """Why `root` cannot be loaded (used by validation before anything starts): missing,
-    damaged, another model shape, written by the other `engine`, or (DeepSpeed) saved
-    with other `settings` (see deepspeed_settings)."""
+    damaged, a pickled file that would run code (unless `trust`), another model shape,
+    written by the other `engine`, or (DeepSpeed) saved with other `settings` (see
+    deepspeed_settings)."""
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
     path = root / LATEST
     try:
-        path = checkpoint_to_load(root, fallback)
+        path = checkpoint_to_load(root, fallback, trust)
         if path is None:
             return f"checkpoint.load={root} has no '{LATEST}' file: it holds no complete checkpoint."
-        common = read_common(path)
-    except CheckpointError as e:
+        refuse_pickled_code(path, trust)
+        common = read_common(path, trust)
+    except (CheckpointError, UntrustedCheckpointFile) as e:
         return str(e)
     except Exception as e:  # an unreadable pointer, a truncated or foreign common.pt
         return f"checkpoint.load={root}: cannot read {path} ({e})."

@@ -208,6 +208,10 @@ class CheckpointConfig:
     # A damaged latest checkpoint (a file missing or cut short) is refused before start;
     # true: resume from the newest intact one instead.
     fallback: bool = False
+    # Checkpoint files are pickles, and a pickle can run code when read. They are read with
+    # an allowlist (gridwright.checkpoint_trust) and refused when they need more; true: read
+    # them with full pickle, for a checkpoint of your own that carries other objects.
+    trust_pickled_code: bool = False
 
 
 @dataclass

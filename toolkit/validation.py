@@ -525,7 +525,7 @@ def check_checkpoint(cfg) -> list[str]:
     if deepspeed and ck.load and cfg.parallel.tp > 1:
         # DeepSpeed over Megatron-Core TP starts from a Megatron-Core checkpoint's weights
         # (e.g. one converted from Hugging Face); it resumes nothing.
-        problem = describe_problem(ck.load, cfg.model, engine="megatron")
+        problem = describe_problem(ck.load, cfg.model, engine="megatron", trust=ck.trust_pickled_code)
         if problem:
             out.append(f"{problem} (engine=deepspeed with parallel.tp>1 starts from the weights of a Megatron-Core "
                        "checkpoint, such as hf-to-megatron writes.)")
@@ -538,7 +538,7 @@ def check_checkpoint(cfg) -> list[str]:
     elif ck.load and cfg.launcher.name == "local":
         settings = deepspeed_settings(cfg, ParallelLayout.from_config(cfg).dp) if deepspeed else None
         problem = describe_problem(ck.load, cfg.model, fallback=ck.fallback, engine=cfg.engine.name,
-                                   settings=settings)
+                                   settings=settings, trust=ck.trust_pickled_code)
         if problem:
             out.append(problem)
     for root in {ck.save, ck.load} - {None}:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .atomic_io import write_text_atomic
 from .checkpoint_dir import hold_writer_lock, latest_checkpoint
+from .checkpoint_trust import UntrustedCheckpointFile, guard_process
 from .jobdir import (METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
 from .known_warnings import filter_known_warnings
@@ -28,6 +29,7 @@ from .layout import ParallelLayout
 from .process_tree import die_with_parent, end_descendants
 from .step_metrics import StepMetrics, read_memory_records
 
+EXIT_REFUSED = 2  # a worker refused its input (the agent then exits 2 too)
 # gridwright's placement names -> Megatron-Core's group getters in observed_coordinates().
 CHECKED_GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
 
@@ -204,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGTERM)
     try:
         return train(args.job_dir.resolve())
+    except UntrustedCheckpointFile as e:  # input the user can act on: one line (per node), no traceback
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     finally:
         end_descendants()
 
@@ -226,6 +232,7 @@ def train(job_dir: Path) -> int:
 
     stop = StopRequest()
     cfg = load_job_config(job_dir)
+    guard_process(trust=cfg.checkpoint.trust_pickled_code)  # before any checkpoint file is read
     filter_known_warnings(cfg.cluster.device)
     refuse_what_this_machine_cannot_run(cfg)
     layout = ParallelLayout.from_config(cfg)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -45,6 +44,7 @@ from ..checkpoint_dir import (
     model_differences,
     read_common,
 )
+from ..checkpoint_trust import guarded_module_command, load_torch_file, refuse_pickled_code
 from ..logits_digest import digest, sample_tokens
 from .checkpoint_publish import staged_iteration
 
@@ -122,8 +122,9 @@ def universal_copy(path: Path, job_dir: Path) -> Path:
     if dist.get_rank() == 0 and not final.is_dir():
         with scratch_directory(final) as tmp:
             converted = subprocess.run(
-                [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path),
-                 "--output_folder", str(tmp / final.name), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                guarded_module_command("deepspeed.checkpoint.ds_to_universal", [
+                    "--input_folder", str(path), "--output_folder", str(tmp / final.name),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"]),
                 capture_output=True, text=True)
             if converted.returncode != 0:
                 raise CheckpointError(f"DeepSpeed's universal conversion of {path} failed: {converted.stderr[-2000:]}")
@@ -140,7 +141,7 @@ def _restore_zero3_param_groups(trainer, universal: Path) -> None:
     saved parameter group's settings into every group (so the no-decay group decays: our
     `wd_mult` 0 becomes 1), and gives every group one shared `step` tensor, which Adam then
     advances once per group. Put each group's settings back and give each its own step."""
-    saved = torch.load(universal / "zero" / "optimizer_state.pt", weights_only=False)
+    saved = load_torch_file(universal / "zero" / "optimizer_state.pt")
     groups = saved["optimizer_state_dict"]["param_groups"]
     optimizer = trainer.engine.optimizer
     for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
@@ -162,6 +163,7 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback:
     if engine_of(path) != "deepspeed":
         raise CheckpointError(f"{path} was written by the Megatron engine; engine=deepspeed resumes only its own "
                               "checkpoints (convert it to a Hugging Face folder to start from its weights).")
+    refuse_pickled_code(path)  # before DeepSpeed's readers touch a file
     common = read_common(path)
     cfg = trainer.cfg
     diffs = model_differences(common["model_config"], cfg.model)

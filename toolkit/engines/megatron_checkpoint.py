@@ -24,6 +24,7 @@ from ..checkpoint_dir import (
     iteration_name,
     model_differences,
 )
+from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
 from .checkpoint_publish import staged_iteration
 
@@ -127,9 +128,8 @@ def model_weights_state(chunks: list, checkpoint_dir: str | os.PathLike) -> dict
     them, so weights-only loads drop those the checkpoint does not have.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from torch.distributed.checkpoint import FileSystemReader
 
-    stored = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(checkpoint_dir).state_dict_metadata
 
     def keep(v) -> bool:
         return not (isinstance(v, ShardedObject) and v.key.endswith("_extra_state") and v.unique_key not in stored)
@@ -144,6 +144,7 @@ def load_model_weights(chunks: list, checkpoint_dir: str | os.PathLike) -> None:
     """Load model weights only into bare GPTModel chunks (converted checkpoints, evaluation)."""
     from megatron.core import dist_checkpointing
 
+    refuse_pickled_code(checkpoint_dir)
     state = model_weights_state(chunks, checkpoint_dir)
     loaded = dist_checkpointing.load(state, str(checkpoint_dir))
     for i, chunk in enumerate(chunks):
@@ -189,6 +190,7 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback:
     if engine_of(path) != "megatron":
         raise CheckpointError(f"{path} was written by the DeepSpeed engine; convert it (python -m "
                               "gridwright.adapters.convert deepspeed-to-megatron) to load it here.")
+    refuse_pickled_code(path)  # before Megatron-Core's readers touch a file
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     recorded = common.get("model_config")
     if recorded:  # shape, not name, decides (a converted model may be renamed)

@@ -1,0 +1,280 @@
+"""Checkpoint files are read without running code they carry.
+
+Megatron-Core and DeepSpeed checkpoints are pickles: `common.pt`, torch.distributed
+.checkpoint's `.metadata`, the objects inside its `.distcp` shards, and DeepSpeed's model,
+optimizer and universal states. Unpickling runs whatever callable a file names, so a
+checkpoint someone else wrote could run code on the launcher and on every node. Here every
+such file is read with an allowlist instead:
+
+* torch's zip files through `torch.load(weights_only=True)`, with torch's own allowlist
+  mechanism (`torch.serialization.safe_globals`) widened by the few classes gridwright's
+  engines store (DeepSpeed's loss scaler, fragment address and ZeRO-stage enum; numpy's
+  array for saved RNG states);
+* DCP's `.metadata`, a plain pickle, through a restricted unpickler that admits
+  torch.distributed.checkpoint's dataclasses and enums, `torch.Size` and dtypes.
+
+A file that names anything else is refused in one line naming the file and the global.
+`checkpoint.trust_pickled_code=true` (the converter: `--trust-pickled-code`) reads with
+full pickle, for a checkpoint of one's own that carries other objects.
+
+Upstream readers (Megatron-Core's `common.pt` load, DCP's metadata read and byte-object
+load, DeepSpeed's engine and `zero_to_fp32` loads) call `torch.load` or DCP's reader
+themselves; `guard_process` routes both through the readers here for the whole process.
+The upstream lines it stands in for are in `CITED`, which a test checks against the
+installed packages. torch is imported lazily: validation imports this module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import os
+import pickle
+import re
+from pathlib import Path
+
+TRUST_KEY = "checkpoint.trust_pickled_code"
+TRUST_FLAG = "--trust-pickled-code"
+# Carries a process's policy to the processes it starts (the converter's logits workers).
+TRUST_ENV = "GRIDWRIGHT_TRUST_PICKLED_CODE"
+
+# (package, file under it, a line it holds): the upstream readers guard_process covers.
+CITED = [
+    ("torch", "distributed/checkpoint/filesystem.py", "metadata = pickle.load(metadata_file)"),
+    ("torch", "distributed/checkpoint/default_planner.py", "torch.load(value, weights_only=False)"),
+    ("megatron.core", "dist_checkpointing/strategies/common.py", "return torch.load(load_path, map_location='cpu')"),
+    ("deepspeed", "runtime/checkpoint_engine/torch_checkpoint_engine.py", "torch.load(path, map_location=map_location"),
+    ("deepspeed", "utils/zero_to_fp32.py", "torch.load(file, map_location=device, weights_only=False)"),
+]
+
+# The modules whose dataclasses and enums make up a DCP `.metadata` file.
+_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                         "torch.distributed.checkpoint.filesystem")
+
+
+class UntrustedCheckpointFile(RuntimeError):
+    """A checkpoint file that needs a global outside the allowlist to be read."""
+
+    def __init__(self, where: str, needs: str):
+        self.where, self.needs = where, needs
+        super().__init__(
+            f"{where} needs {needs} to be unpickled, which could run code: refused. Fix: only if you wrote this "
+            f"checkpoint or trust its source, set {TRUST_KEY}=true (convert: {TRUST_FLAG}).")
+
+
+def _torch_allowlist() -> list:
+    """What gridwright's checkpoints hold beyond torch's default weights-only set: numpy's
+    array (saved RNG states)."""
+    import numpy as np
+
+    found = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64))]
+    try:
+        found.append(np._core.multiarray._reconstruct)  # numpy 2
+    except AttributeError:
+        found.append(np.core.multiarray._reconstruct)
+    return found
+
+
+# DeepSpeed's optimizer states hold these objects. Importing DeepSpeed takes seconds and
+# prints, so they are added only when a file names one of them.
+_DEEPSPEED_GLOBALS = {"deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                      "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address"}
+
+
+def _deepspeed_allowlist() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+_REAL_TORCH_LOAD = None  # torch.load as torch defines it, kept before guard_process replaces it
+_PROCESS_TRUSTS = False  # what guard_process decided for this process: the default of every reader here
+
+
+def _trusted(trust: bool | None) -> bool:
+    return _PROCESS_TRUSTS if trust is None else trust
+
+
+def _real_torch_load():
+    global _REAL_TORCH_LOAD
+    if _REAL_TORCH_LOAD is None:
+        import torch
+
+        _REAL_TORCH_LOAD = getattr(torch.load, "_unguarded", torch.load)
+    return _REAL_TORCH_LOAD
+
+
+def _describe(source) -> str:
+    return str(source) if isinstance(source, (str, os.PathLike)) else "an object stored inside a checkpoint shard"
+
+
+def load_torch_file(source, *, trust: bool | None = None, map_location="cpu", **kwargs):
+    """`torch.load` of a checkpoint file (a path or a file object) that runs no code
+    unless trusted (`trust`, else this process's policy): weights only, with gridwright's
+    allowlist."""
+    import torch
+
+    load = _real_torch_load()
+    if _trusted(trust):
+        return load(source, map_location=map_location, weights_only=False, **kwargs)
+    allowed = _torch_allowlist()
+    while True:
+        with torch.serialization.safe_globals(allowed):
+            try:
+                return load(source, map_location=map_location, weights_only=True, **kwargs)
+            except pickle.UnpicklingError as e:
+                found = re.search(r"GLOBAL ([\w.]+)", str(e))
+                named = found.group(1) if found else "a pickle instruction torch's weights-only reader refuses"
+        if named not in _DEEPSPEED_GLOBALS or len(allowed) > len(_torch_allowlist()):
+            raise UntrustedCheckpointFile(_describe(source), named)
+        allowed += _deepspeed_allowlist()
+        if hasattr(source, "seek"):
+            source.seek(0)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` with nothing callable but its own record types. Restricting
+    `find_class` is the standard library's documented way to limit an unpickler: every
+    global a pickle uses (for calls, new objects, extension codes) comes through it."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):  # torch.layout by name (torch.strided)
+            return torch.serialization._get_layout
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        if module in _DCP_METADATA_MODULES:
+            import importlib
+
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        raise UntrustedCheckpointFile(self.where, f"{module}.{name}")
+
+
+def read_dcp_metadata(checkpoint_dir: str | os.PathLike, trust: bool | None = None):
+    """torch.distributed.checkpoint's index of one checkpoint directory, as its
+    `FileSystemReader.read_metadata` returns it, read without running code unless trusted."""
+    path = Path(checkpoint_dir) / ".metadata"
+    with open(path, "rb") as f:
+        metadata = pickle.load(f) if _trusted(trust) else _MetadataUnpickler(f, str(path)).load()
+    return _fill_storage_meta(metadata)
+
+
+def _fill_storage_meta(metadata, load_id=None):
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = load_id
+    return metadata
+
+
+def refuse_pickled_code(iteration_dir: str | os.PathLike, trust: bool | None = None) -> None:
+    """Read every pickled record of one checkpoint directory through the allowlist before
+    any upstream reader touches it; raises UntrustedCheckpointFile naming the first file
+    that needs more. Tensors are memory-mapped, not read, so this stays cheap."""
+    if _trusted(trust):
+        return
+    path = Path(iteration_dir)
+    for file in sorted(path.rglob("*.pt")):
+        _load_mapped(file)
+    if (path / ".metadata").is_file():
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        metadata = read_dcp_metadata(path)
+        for fqn, entry in metadata.state_dict_metadata.items():
+            if not isinstance(entry, BytesStorageMetadata):
+                continue
+            info = (metadata.storage_data or {}).get(MetadataIndex(fqn))
+            if info is None:
+                continue
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                record = f.read(info.length)
+            try:
+                load_torch_file(io.BytesIO(record))
+            except UntrustedCheckpointFile as e:
+                raise UntrustedCheckpointFile(f"{path / info.relative_path} (object '{fqn}')", e.needs) from None
+
+
+def _load_mapped(file: Path) -> None:
+    try:
+        load_torch_file(file, mmap=True)
+    except RuntimeError as e:  # a file in torch's legacy (non-zip) format cannot be mapped
+        if "mmap" not in str(e):
+            raise
+        load_torch_file(file)
+
+
+def guard_process(trust: bool = False) -> None:
+    """From here on, in this process, `torch.load` reads with gridwright's allowlist (a
+    call's own `weights_only=False` is overridden) and DCP's `FileSystemReader` reads
+    `.metadata` through the restricted unpickler: Megatron-Core's and DeepSpeed's loaders
+    then run no code from a checkpoint either (the calls in `CITED`). With `trust`, nothing
+    is hooked and the readers here read with full pickle too. Idempotent."""
+    global _PROCESS_TRUSTS
+    _PROCESS_TRUSTS = trust
+    os.environ[TRUST_ENV] = "1" if trust else "0"
+    if trust:
+        return
+    import torch
+    from torch.distributed.checkpoint import filesystem
+
+    if getattr(torch.load, "_unguarded", None) is not None:
+        return
+    real = _real_torch_load()
+
+    def guarded_load(f, map_location=None, pickle_module=None, *, weights_only=None, **kwargs):
+        return load_torch_file(f, map_location=map_location, **kwargs)  # pickle_module: weights-only has its own
+
+    guarded_load._unguarded = real
+    guarded_load.__doc__ = "torch.load, with gridwright's checkpoint allowlist (gridwright.checkpoint_trust)."
+    torch.load = guarded_load
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        where = self._get_metadata_path(rank)
+        with self.fs.create_stream(where, "rb") as f:
+            metadata = _MetadataUnpickler(f, str(where)).load()
+        return _fill_storage_meta(metadata, self.load_id)
+
+    filesystem.FileSystemReader.read_metadata = read_metadata
+
+
+def inherited_trust() -> bool:
+    """The policy of the process that started this one (guard_process exports it)."""
+    return os.environ.get(TRUST_ENV) == "1"
+
+
+def guarded_module_command(module: str, args: list[str]) -> list[str]:
+    """A command line that runs `python -m module args` under this process's policy: for
+    upstream tools gridwright starts as subprocesses (DeepSpeed's universal converter)."""
+    import sys
+
+    if _PROCESS_TRUSTS:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-m", "gridwright.checkpoint_trust", module, *args]
+
+
+if __name__ == "__main__":  # python -m gridwright.checkpoint_trust MODULE ARGS...
+    import runpy
+    import sys
+
+    guard_process()
+    target = sys.argv[1]
+    sys.argv = [target, *sys.argv[2:]]
+    runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             torchrun_main([*torchrun_args, "-m", "gridwright.worker", "--job-dir", str(job_dir)])
             code = 0
-        except ChildFailedError as e:  # a worker that refused its input (exit 2) has said why in one line
-            code = 2 if all(f.exitcode == 2 for f in e.failures.values()) else 1
+        except ChildFailedError as e:  # a worker that refused its input (exit 2) has said why in one line;
+            code = 2 if e.get_first_failure()[1].exitcode == 2 else 1  # torchrun then ended the others
         except SignalException as e:
             stopped_by["signal"] = int(e.sigval)
             code = 128 + int(e.sigval)

@@ -45,6 +45,8 @@ CITED = [
     ("megatron.core", "dist_checkpointing/strategies/common.py", "return torch.load(load_path, map_location='cpu')"),
     ("deepspeed", "runtime/checkpoint_engine/torch_checkpoint_engine.py", "torch.load(path, map_location=map_location"),
     ("deepspeed", "utils/zero_to_fp32.py", "torch.load(file, map_location=device, weights_only=False)"),
+    # run as a subprocess through guarded_module_command
+    ("deepspeed", "checkpoint/ds_to_universal.py", "state_dict = torch.load(optim_file, map_location='cpu', weights_only=False)"),
 ]
 
 # The modules whose dataclasses and enums make up a DCP `.metadata` file.

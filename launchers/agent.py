@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.run import main as torchrun_main
 
         _register_loopback_backend()
+        watchdog = _start_watchdog(job_dir, token)
         try:
             torchrun_main([*torchrun_args, "-m", "gridwright.worker", "--job-dir", str(job_dir)])
             code = 0
@@ -145,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:
             stopped_by["signal"] = int(e.sigval)
             code = 128 + int(e.sigval)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
     except KeyboardInterrupt:
         code = 128 + stopped_by.get("signal", signal.SIGINT)
     finally:
@@ -154,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"agent       ended {left} process(es) the workers left behind", file=sys.stderr, flush=True)
         _close_orphaned_run(job_dir, killed="signal" in stopped_by)
     return code
+
+
+def _start_watchdog(job_dir: Path, token: str):
+    """The hang finder over this node's ranks (gridwright.launchers.watchdog)."""
+    from gridwright.jobdir import load_job_config
+
+    from .watchdog import Watchdog
+
+    try:
+        cfg = load_job_config(job_dir)
+    except OSError:
+        return None
+    return Watchdog(job_dir, cfg, token).start()
 
 
 def _close_orphaned_run(job_dir: Path, killed: bool) -> None:
@@ -167,8 +184,10 @@ def _close_orphaned_run(job_dir: Path, killed: bool) -> None:
         return
     from gridwright.tracking import close_orphaned_run
 
+    from .watchdog import hang_summary
+
     try:
-        close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed")
+        close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed", error=hang_summary(job_dir))
     except Exception as e:  # noqa: BLE001 - a store out of reach must not hide the run's own exit
         print(f"agent       could not close the job's MLflow run ({type(e).__name__}: {e}); "
               f"python -m gridwright.sync {job_dir} closes it later", file=sys.stderr, flush=True)

@@ -165,8 +165,10 @@ def run_locally(cfg, layout, job_dir) -> int:
     # A negative code: the agent itself was killed by that signal.
     status = "killed" if stopped_by or code < 0 else ("finished" if code == 0 else "failed")
     if run_id is not None:
+        from gridwright.launchers.watchdog import hang_summary
+
         tracking.close_run(cfg, run_id, status, job_dir=job_dir,
-                           error=None if code == 0 else f"the agent exited with code {code}")
+                           error=None if code == 0 else hang_summary(job_dir) or f"the agent exited with code {code}")
         print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
     elif code == 0 and not stopped_by:
         print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.sync {job_dir}")

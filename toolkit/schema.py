@@ -226,6 +226,24 @@ class EvaluateConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """Finding a rank that stopped (gridwright.launchers.watchdog): each node's agent
+    reads its ranks' heartbeats and stops the job, with their stacks, when one is late."""
+
+    enabled: bool = True
+    # A training rank is hung after stall_factor x its recent step time without a step,
+    # and never before min_stall_s.
+    stall_factor: float = 10.0
+    min_stall_s: float = 60.0
+    # The bound while starting (build, compile, checkpoint load), saving or finishing.
+    phase_timeout_s: float = 1800.0
+    # torch.distributed's timeout for every collective; None: 600 s on NCCL, 900 s on gloo
+    # (a CPU rank may compile for minutes while its peers wait). torch's own defaults are
+    # 10 and 30 minutes.
+    collective_timeout_s: Optional[float] = None
+
+
+@dataclass
 class RunConfig:
     """The whole experiment, as composed by Hydra from `conf/`."""
 
@@ -247,3 +265,4 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)

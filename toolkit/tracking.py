@@ -382,9 +382,10 @@ def close_run(cfg, run_id: str, status: str, job_dir: Path | None = None, error:
     client.set_terminated(run_id, status=MLFLOW_STATUS[status])
 
 
-def close_orphaned_run(cfg, job_dir: Path, status: str) -> str | None:
+def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None) -> str | None:
     """Close the job's run if it is still RUNNING but the process that kept it open is
-    gone (killed, or crashed before closing it); returns the run id when it did."""
+    gone (killed, or crashed before closing it); returns the run id when it did. `error`
+    says why, when the caller knows (a hang the watchdog found)."""
     owner = run_owner.owner(job_dir)
     if not owner or run_owner.owner_gone(owner) is not True:
         return None
@@ -398,7 +399,7 @@ def close_orphaned_run(cfg, job_dir: Path, status: str) -> str | None:
     if job_outcome(cfg, Path(job_dir)) == "finished":
         status = "finished"  # the owner died after the run's last write
     close_run(cfg, run.info.run_id, status, job_dir,
-              error=None if status == "finished" else
+              error=None if status == "finished" else error or
               f"pid {owner['pid']} on {owner['host']}, which kept this run open, ended without closing it")
     return run.info.run_id
 

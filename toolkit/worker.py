@@ -26,7 +26,8 @@ from .jobdir import (METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY
                      read_metrics)
 from .known_warnings import filter_known_warnings
 from .layout import ParallelLayout
-from .process_tree import die_with_parent, end_descendants
+from .heartbeat import Heartbeat
+from .process_tree import TOKEN_ENV, die_with_parent, end_descendants
 from .step_metrics import StepMetrics, read_memory_records
 
 EXIT_REFUSED = 2  # a worker refused its input (the agent then exits 2 too)
@@ -264,8 +265,9 @@ def train(job_dir: Path) -> int:
         from .engines.megatron_engine import run_training
     else:
         from .engines.deepspeed_engine import run_training
+    heartbeat = Heartbeat(job_dir, rank, os.environ.get(TOKEN_ENV))
     try:
-        run_training(cfg, layout, on_step, on_start, job_dir=job_dir, stop=stop)
+        run_training(cfg, layout, on_step, on_start, job_dir=job_dir, stop=stop, progress=heartbeat)
     except BaseException as e:
         if "reporter" in state:
             state["reporter"].close("killed" if stop.signal else "failed", error=f"{type(e).__name__}: {e}")

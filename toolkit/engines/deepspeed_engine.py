@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from ..checkpoint_dir import holds_checkpoints
 from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
+from ..heartbeat import NO_PROGRESS
 from ..step_metrics import timed_step, write_memory_record
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
+from .timeouts import collective_timeout
 
 
 def hf_config(model):
@@ -108,7 +110,8 @@ class DeepSpeedTrainer:
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         if not on_cpu:
             torch.cuda.set_device(self.device)
-        deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+        backend = "gloo" if on_cpu else "nccl"
+        deepspeed.init_distributed(dist_backend=backend, timeout=collective_timeout(cfg, backend))
         torch.manual_seed(cfg.train.seed)
         if cfg.checkpoint.load and not holds_checkpoints(cfg.checkpoint.load):  # a Hugging Face folder: initial weights
             model = load_hf_model(cfg.checkpoint.load, hf_config(cfg.model))
@@ -236,17 +239,19 @@ def load_hf_model(hf_dir, config):
     return model
 
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
     Every rank leaves its peak memory in `job_dir`. A signal (`stop`) ends training after
     the step every rank is at, saving a checkpoint first when `checkpoint.save` is set.
-    With `parallel.tp>1` the model is Megatron-Core's (deepspeed_tensor_parallel)."""
+    With `parallel.tp>1` the model is Megatron-Core's (deepspeed_tensor_parallel).
+    `progress` (a Heartbeat) hears of every step and phase on every rank."""
+    progress = progress or NO_PROGRESS
     pending = extensions_to_build(cfg)
     if pending and os.environ.get("RANK", "0") == "0":
         print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
               "once; cached by torch afterwards)", flush=True)
     if layout.tp == 1:
-        _train(cfg, layout, DeepSpeedTrainer(cfg, layout), on_step, on_start, job_dir, stop)
+        _train(cfg, layout, DeepSpeedTrainer(cfg, layout), on_step, on_start, job_dir, stop, progress)
         dist.destroy_process_group()
         return
     # Megatron-Core's model under DeepSpeed: its CPU workarounds and fixes apply as in its engine.
@@ -259,12 +264,12 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
         trainer = DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout))
-        _train(cfg, layout, trainer, on_step, on_start, job_dir, stop)
+        _train(cfg, layout, trainer, on_step, on_start, job_dir, stop, progress)
         ps.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
+def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop, progress) -> None:
     """The training loop around either trainer: resume, steps, saves, an agreed stop."""
     from . import deepspeed_checkpoint
 
@@ -281,6 +286,7 @@ def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
     on_cuda = cfg.cluster.device == "cuda"
     for step in range(first_step, cfg.train.steps):
         metrics = timed_step(trainer.train_step, step, on_cuda)
+        progress.step_done(step, metrics["step_time_s"])
         if trainer.is_logging_rank:
             on_step(step, metrics)
         done = step + 1
@@ -288,7 +294,9 @@ def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
         signal = stop.agreed(trainer.device) if stop is not None else None
         if ck.save and (due or signal):
             started = time.perf_counter()
+            progress.phase("saving")
             path = deepspeed_checkpoint.save(trainer, done, ck.save)
+            progress.phase("training")
             if dist.get_rank() == 0:
                 print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
         if signal:
@@ -296,6 +304,7 @@ def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop) -> None:
                 print(f"stopped     by signal {signal} after step {step}"
                       + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
             break
+    progress.phase("finishing")
     if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
         write_memory_record(job_dir, dist.get_rank(), on_cuda)
     dist.barrier()

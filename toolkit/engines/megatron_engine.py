@@ -7,6 +7,7 @@ optimizer for ZeRO stages 1-2) steps, and its scheduler sets the learning rate.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from functools import partial
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from ..data_source import make_source
 from ..layout import ParallelLayout
 from ..profiling import ProfileWindow
+from ..heartbeat import NO_PROGRESS
 from ..step_metrics import timed_step, write_memory_record
 from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
@@ -30,6 +32,7 @@ from .megatron_model import (
     transformer_config_kwargs,
 )
 from .optimizer_schedule import lr_scheduler, optimizer_config
+from .timeouts import collective_timeout
 
 
 def init_parallel(cfg, layout: ParallelLayout):
@@ -39,13 +42,16 @@ def init_parallel(cfg, layout: ParallelLayout):
     on_cpu = cfg.cluster.device == "cpu"
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "gloo" if on_cpu else "nccl"
+    timeout = collective_timeout(cfg, backend)
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+        dist.init_process_group(backend=backend, timeout=timeout)
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(
             f"torchrun started {dist.get_world_size()} processes but the plan has {layout.world_size}"
         )
-    ps.initialize_model_parallel(**layout.megatron_sizes(), order=layout.order)
+    ps.initialize_model_parallel(**layout.megatron_sizes(), order=layout.order,
+                                 distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)))
 
 
 def observed_coordinates() -> dict:
@@ -245,10 +251,12 @@ class MegatronTrainer:
         return total / iters
 
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None) -> None:
+def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> None:
     """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
     With `stop` (a StopRequest), a signal ends training after the step every rank is at,
-    saving a checkpoint first when `checkpoint.save` is set."""
+    saving a checkpoint first when `checkpoint.save` is set. `progress` (a Heartbeat)
+    hears of every step and phase on every rank."""
+    progress = progress or NO_PROGRESS
     apply_megatron_fixes()
     on_cpu = cfg.cluster.device == "cpu"
     ctx = cpu_compat() if on_cpu else contextlib.nullcontext()
@@ -270,6 +278,7 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
         for step in range(first_step, cfg.train.steps):
             window.before_step(step)
             metrics = timed_step(trainer.train_step, step, on_cuda=not on_cpu)
+            progress.step_done(step, metrics["step_time_s"])
             window.after_step(step, metrics["step_time_s"])
             done = step + 1
             every = cfg.data.eval_interval
@@ -281,7 +290,9 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
             signal = stop.agreed(trainer.device) if stop is not None else None
             if ck.save and (due or signal):
                 started = time.perf_counter()
+                progress.phase("saving")
                 path = megatron_checkpoint.save(trainer, done, ck.save)
+                progress.phase("training")
                 if dist.get_rank() == 0:
                     print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
             if signal:
@@ -289,6 +300,7 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
                     print(f"stopped     by signal {signal} after step {step}"
                           + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
                 break
+        progress.phase("finishing")
         if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
             write_memory_record(job_dir, dist.get_rank(), on_cuda=not on_cpu)
         dist.barrier()

@@ -1,0 +1,168 @@
+"""The agent's hang finder: a rank whose step stops advancing stops the job, with its stacks.
+
+A collective timeout alone lets a stopped rank hold a job for its whole length (torch's
+default is 30 minutes on gloo) and says nothing of who stopped. Here a thread of each
+node's agent reads its ranks' heartbeats (`gridwright.heartbeat`) once a second. A rank
+is hung when its heartbeat is older than its bound:
+
+* while training: `watchdog.stall_factor` x the median of its recent step times, and at
+  least `watchdog.min_stall_s` (a profiled or evaluating step is slower, not stopped);
+* while starting (building, compiling, loading a checkpoint), saving or finishing:
+  `watchdog.phase_timeout_s`, as those take minutes on large models.
+
+Then every rank of this node is asked for its Python stacks (SIGUSR1, faulthandler), the
+finding is written to `hang.json` and printed as one block naming the rank and the step,
+and this node's workers are killed: torchrun sees them fail and the job ends, FAILED in
+MLflow. A rank that did not dump its stacks (stopped, or stuck outside Python) is named
+as such. Anchors: torch's NCCL watchdog and flight recorder, NVIDIA's resiliency
+extension (its in-job heartbeat monitor); this one needs neither NCCL nor a CUDA device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from gridwright.atomic_io import write_text_atomic
+from gridwright.heartbeat import STACK_SIGNAL, read_heartbeats, stacks_file
+
+HANG_FILE = "hang.json"
+_POLL_S = 1.0
+_DUMP_WAIT_S = 3.0
+
+
+def bound_s(rec: dict, cfg) -> float:
+    """How long this rank may go without a heartbeat."""
+    w = cfg.watchdog
+    if rec["phase"] == "training" and rec.get("recent_step_s") is not None:
+        return max(w.min_stall_s, w.stall_factor * rec["recent_step_s"])
+    return w.phase_timeout_s
+
+
+def _alive(rec: dict) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(rec["pid"])
+        return proc if proc.status() != psutil.STATUS_ZOMBIE else None
+    except psutil.Error:
+        return None
+
+
+def late_ranks(beats: dict[int, dict], cfg, now: float) -> dict[int, float]:
+    """The live ranks whose heartbeat is older than their bound, with its age."""
+    return {r: now - rec["time"] for r, rec in beats.items() if now - rec["time"] > bound_s(rec, cfg)}
+
+
+def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int, dict], cfg) -> dict:
+    """Who is to blame. A rank blocked in a collective waits for the one that stopped, and
+    both stopped advancing at the same step; the one that did not answer the stack dump
+    (stopped, or stuck outside Python) is the suspect first, then the rank furthest
+    behind, then the one silent longest."""
+    def behind(r: int):
+        step = beats[r]["step"] if beats[r]["step"] is not None else -1
+        return (ranks[r]["dumped"], step, -late.get(r, 0.0))
+
+    suspect = min(beats, key=behind)
+    rec = beats[suspect]
+    silent = max(late.get(suspect, 0.0), time.time() - rec["time"] - _DUMP_WAIT_S)
+    return {"rank": suspect, "step": rec["step"], "phase": rec["phase"], "host": rec["host"],
+            "silent_s": round(silent, 1), "bound_s": round(bound_s(rec, cfg), 1),
+            "recent_step_s": rec.get("recent_step_s"), "factor": cfg.watchdog.stall_factor,
+            "min_stall_s": cfg.watchdog.min_stall_s, "ranks": {str(r): info for r, info in ranks.items()}}
+
+
+def describe(finding: dict, ranks: dict[int, dict], job_dir: Path) -> list[str]:
+    """The block printed when a hang stops the job."""
+    step = "before its first step" if finding["step"] is None else f"after step {finding['step']}"
+    if finding["phase"] == "training":
+        why = (f"{finding['bound_s']:g} s: {finding['factor']:g} x its recent step of {finding['recent_step_s']:.3g} s,"
+               f" at least {finding['min_stall_s']:g} s")
+    else:
+        why = f"{finding['bound_s']:g} s while {finding['phase']}"
+    lines = [f"hang        rank {finding['rank']} made no progress for {finding['silent_s']:g} s {step} "
+             f"(bound {why}); stopping the job"]
+    for rank, info in sorted(ranks.items()):
+        stacks = f"stacks in {info['stacks']}" if info["dumped"] else "no stack dump (it did not answer SIGUSR1)"
+        at = "-" if info["step"] is None else info["step"]
+        lines.append(f"            rank {rank}: step {at}, {info['phase']}, process {info['state']}; {stacks}")
+    lines.append(f"            the finding is in {job_dir / HANG_FILE}")
+    return lines
+
+
+def _dump_stacks(job_dir: Path, beats: dict[int, dict]) -> dict[int, dict]:
+    sizes = {}
+    for rank, rec in beats.items():
+        file = stacks_file(job_dir, rank)
+        sizes[rank] = file.stat().st_size if file.exists() else 0
+        try:
+            os.kill(rec["pid"], STACK_SIGNAL)
+        except OSError:
+            pass
+    time.sleep(_DUMP_WAIT_S)
+    out = {}
+    for rank, rec in beats.items():
+        proc = _alive(rec)
+        file = stacks_file(job_dir, rank)
+        out[rank] = {"step": rec["step"], "phase": rec["phase"], "pid": rec["pid"],
+                     "state": proc.status() if proc else "gone", "stacks": str(file),
+                     "dumped": file.exists() and file.stat().st_size > sizes[rank]}
+    return out
+
+
+class Watchdog:
+    """Started by the agent; `finding` is set once it has stopped the job for a hang."""
+
+    def __init__(self, job_dir: Path, cfg, token: str):
+        self.job_dir, self.cfg, self.token = Path(job_dir), cfg, token
+        self.finding: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gridwright-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        if self.cfg.watchdog.enabled:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _mine(self) -> dict[int, dict]:
+        """This node's live ranks (a dead rank is torchrun's to report, and a finished
+        attempt's heartbeats are not this one's)."""
+        return {r: rec for r, rec in read_heartbeats(self.job_dir).items()
+                if rec.get("token") == self.token and _alive(rec) is not None}
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            beats = self._mine()
+            late = late_ranks(beats, self.cfg, time.time())
+            if late:
+                self._stop_for(beats, late)
+                return
+
+    def _stop_for(self, beats: dict[int, dict], late: dict[int, float]) -> None:
+        ranks = _dump_stacks(self.job_dir, beats)
+        finding = finding_for(beats, late, ranks, self.cfg)
+        write_text_atomic(self.job_dir / HANG_FILE, json.dumps(finding, indent=1))
+        self.finding = finding
+        print("\n".join(describe(finding, ranks, self.job_dir)), file=sys.stderr, flush=True)
+        for rec in beats.values():  # a stopped rank cannot be asked: the job has failed, end it now
+            try:
+                os.kill(rec["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def hang_summary(job_dir: Path) -> str | None:
+    """One line for the run's record (MLflow's error), when a watchdog stopped this job."""
+    path = Path(job_dir) / HANG_FILE
+    if not path.is_file():
+        return None
+    f = json.loads(path.read_text())
+    step = "before its first step" if f["step"] is None else f"after step {f['step']}"
+    return f"hang: rank {f['rank']} made no progress for {f['silent_s']:g} s {step} (bound {f['bound_s']:g} s)"

@@ -1,0 +1,62 @@
+"""A hung rank is found: with one worker SIGSTOPped mid-run, the job stops within the
+watchdog's bound, naming the rank, with the other ranks' stacks in the job directory,
+the MLflow run FAILED and no process left."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import psutil
+from conftest import REPO
+
+from gridwright.engines.timeouts import collective_timeout
+
+
+def test_a_stopped_rank_stops_the_job_within_the_bound(tmp_path):
+    job, store = tmp_path / "job", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"job_dir={job}", f"tracking.uri={store}",
+                             "train.steps=100000", "train.warmup_steps=1", "watchdog.min_stall_s=15"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        beat = job / "heartbeats" / "rank_00001.json"
+        while time.time() < deadline and not (beat.exists() and json.loads(beat.read_text())["step"] is not None):
+            time.sleep(0.2)
+        victim = json.loads(beat.read_text())["pid"]
+        others = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at = time.time()
+        out, err = proc.communicate(timeout=120)
+        took = time.time() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    # 15 s of silence, a poll, 3 s for the stack dumps, and torchrun's end of the group.
+    assert took < 45, f"the job took {took:.0f} s to stop"
+    block = [line for line in err.splitlines() if line.startswith("hang ")]
+    assert len(block) == 1 and block[0].startswith("hang        rank 1 made no progress for "), err[-3000:]
+    finding = json.loads((job / "hang.json").read_text())
+    assert finding["rank"] == 1 and finding["ranks"]["1"]["state"] == "stopped"
+    assert finding["ranks"]["0"]["dumped"] and not finding["ranks"]["1"]["dumped"]
+    stacks = (job / "stacks" / "rank_00000.txt").read_text()
+    assert "train_step" in stacks and "megatron_engine.py" in stacks, stacks[-2000:]
+    run = mlflow.MlflowClient(store).search_runs(["1"])[0]
+    assert run.info.status == "FAILED"
+    assert run.data.tags["gridwright.error"].startswith("hang: rank 1 made no progress"), run.data.tags
+    time.sleep(1)
+    assert not [p for p in others if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_the_collective_timeout_is_the_keys_or_the_backends_default(compose):
+    cfg = compose()
+    assert collective_timeout(cfg, "nccl").total_seconds() == 600
+    assert collective_timeout(cfg, "gloo").total_seconds() == 900
+    cfg = compose("watchdog.collective_timeout_s=42")
+    assert collective_timeout(cfg, "gloo").total_seconds() == 42

@@ -1,6 +1,9 @@
 """Emit one command per node, the node's agent (torchrun, static rendezvous on node 0), to
 run by any means. Re-running them on the same job directory resumes the job (from the
-newest checkpoint in checkpoint.save, into the same MLflow run)."""
+newest checkpoint in checkpoint.save, into the same MLflow run).
+
+Each line is read by a shell: the environment values and every argument (the interpreter
+and the job directory may hold spaces, quotes, unicode) go through shlex.quote."""
 from __future__ import annotations
 
 import shlex
@@ -15,7 +18,8 @@ COMMANDS_FILE = "torchrun_commands.sh"
 
 
 def node_command(cfg, job_dir: Path, node_rank: int) -> str:
-    env = " ".join(f"{k}={v}" for k, v in sorted(worker_env(cfg).items()))
+    """Node `node_rank`'s line: `K=V ... python -m gridwright.launchers.agent ...`."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(worker_env(cfg).items()))
     args = [
         cfg.launcher.python or sys.executable, "-m", "gridwright.launchers.agent", "--job-dir", str(job_dir),
         f"--nnodes={cfg.cluster.nodes}",

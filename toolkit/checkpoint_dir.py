@@ -125,6 +125,13 @@ def holds_checkpoints(root: str | os.PathLike) -> bool:
     return (Path(root) / LATEST).is_file()
 
 
+def iterations(root: str | os.PathLike) -> list[Path]:
+    """The checkpoint directories under `root` (`iter_N`, complete or not; not `.partial`),
+    oldest first."""
+    found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name)]
+    return sorted(found, key=step_of)
+
+
 def newest_intact(root: str | os.PathLike, besides: Path, trust: bool | None = None) -> Path | None:
     """The newest complete, undamaged checkpoint under `root` other than `besides`."""
     found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name) and p != besides]

@@ -167,9 +167,12 @@ def run_locally(cfg, layout, job_dir) -> int:
     if run_id is not None:
         from gridwright.launchers.watchdog import hang_summary
 
-        tracking.close_run(cfg, run_id, status, job_dir=job_dir,
-                           error=None if code == 0 else hang_summary(job_dir) or f"the agent exited with code {code}")
-        print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
+        try:
+            tracking.close_run(cfg, run_id, status, job_dir=job_dir, error=None if code == 0 else
+                               hang_summary(job_dir) or f"the agent exited with code {code}")
+            print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
+        except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
+            print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))
     elif code == 0 and not stopped_by:
         print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.sync {job_dir}")
     if stopped_by:

@@ -201,6 +201,7 @@ class CheckpointConfig:
 
     save: Optional[str] = None  # directory for checkpoints; None: no checkpoints
     save_interval: int = 0  # save every N steps; 0: only after the last step
+    keep_last: int = 0  # keep the newest N checkpoints in checkpoint.save, removing older ones; 0: keep all
     # resume from the newest complete checkpoint here (engine=deepspeed: or a Hugging Face
     # folder of this model's shape, the run's initial weights)
     load: Optional[str] = None

@@ -31,6 +31,7 @@ from .profiling import TRACES_DIR
 from . import run_owner
 from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
 from .trace_analysis import COMMUNICATION_FILE
+from .tracking_store import bound_http_waits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +95,8 @@ def client_for(uri: str):
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    bound_http_waits()
+    quiet_store_errors()
     mlflow.set_tracking_uri(uri)
     with _store_setup_lock(uri):
         client = MlflowClient(uri)
@@ -347,20 +350,33 @@ def open_run(cfg, job_dir: Path, layout, tags: dict | None = None, name_suffix: 
 
 
 class MetricsLogger:
-    """Logs one step's metrics to an open MLflow run (used by the logging rank)."""
+    """Logs one step's metrics to an open MLflow run (used by the logging rank).
 
-    def __init__(self, cfg, run_id: str):
+    Tracking never stops training: the first failure (a store gone, a server down) is
+    reported once and logging stops; the job directory holds every metric, and `python -m
+    gridwright.sync DIR` catches MLflow up later."""
+
+    def __init__(self, cfg, run_id: str, job_dir: Path | None = None):
         from mlflow.tracking import MlflowClient
 
+        bound_http_waits()
+        quiet_store_errors()
         self.client = MlflowClient(tracking_uri(cfg))
-        self.run_id = run_id
+        self.run_id, self.job_dir = run_id, job_dir
+        self.failed: str | None = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
+        if self.failed:
+            return
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
-        self.client.log_batch(self.run_id, metrics=batch)
+        try:
+            self.client.log_batch(self.run_id, metrics=batch)
+        except Exception as e:  # noqa: BLE001 - any failure of the store: training goes on
+            self.failed = one_line(e)
+            print(tracking_failure_line(f"logging step {step}", self.failed, self.job_dir), flush=True)
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self.run_id, key, value)
@@ -368,6 +384,29 @@ class MetricsLogger:
     def logged_steps(self, key: str) -> set[int]:
         """The steps at which the run holds a value of `key`."""
         return {m.step for m in self.client.get_metric_history(self.run_id, key)}
+
+
+def tracking_failure_line(what: str, error: str, job_dir: Path | None) -> str:
+    """The one line a tracking failure gets: what failed, and how MLflow catches up."""
+    later = f"python -m gridwright.sync {job_dir}" if job_dir else "python -m gridwright.sync JOB_DIR"
+    return (f"mlflow      {what} failed ({error}); the job directory keeps the record (training is not "
+            f"stopped for MLflow): {later} logs it later")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception in one line: the line that names the underlying error, when one does
+    (SQLAlchemy's messages put it second, after advice)."""
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    named = next((line for line in text if "Error)" in line or "Error:" in line), text[0] if text else "")
+    return f"{type(e).__name__}: {named[:300]}" if named else type(e).__name__
+
+
+def quiet_store_errors() -> None:
+    """MLflow's SQL store logs each failed query with its traceback at ERROR; gridwright
+    reports a tracking failure itself, in one line (tracking_failure_line)."""
+    import logging
+
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 def close_run(cfg, run_id: str, status: str, job_dir: Path | None = None, error: str | None = None) -> None:

@@ -6,7 +6,11 @@ user fixes a broken layout in one round instead of one error at a time.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
+
+from omegaconf import OmegaConf
 
 from .families.hf_config import family_problems
 from .families.registry import FAMILIES, family
@@ -88,9 +92,76 @@ def check_counts(cfg) -> list[str]:
         ("train.micro_batch_size", cfg.train.micro_batch_size),
         ("train.global_batch_size", cfg.train.global_batch_size),
         ("train.seq_length", cfg.train.seq_length),
+        ("train.log_interval", cfg.train.log_interval),
+        ("model.num_layers", cfg.model.num_layers),
+        ("model.hidden_size", cfg.model.hidden_size),
+        ("model.ffn_hidden_size", cfg.model.ffn_hidden_size),
+        ("model.num_attention_heads", cfg.model.num_attention_heads),
+        ("model.num_query_groups", cfg.model.num_query_groups),
+        ("model.vocab_size", cfg.model.vocab_size),
+        ("model.max_position_embeddings", cfg.model.max_position_embeddings),
+        ("model.moe_router_topk", cfg.model.moe_router_topk),
     ):
         if v < 1:
             out.append(f"{path}={v} must be at least 1.")
+    if cfg.model.head_dim is not None and cfg.model.head_dim < 1:
+        out.append(f"model.head_dim={cfg.model.head_dim} must be at least 1 (or null: hidden_size / heads).")
+    if cfg.model.num_experts < 0:
+        out.append(f"model.num_experts={cfg.model.num_experts} must be 0 (dense) or more.")
+    return out
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def check_numbers(cfg) -> list[str]:
+    """Real numbers that must be finite, and positive or at least zero where the schema
+    means it: a NaN or infinite learning rate trains to NaN and reports FINISHED."""
+    t, m, w, out = cfg.train, cfg.model, cfg.watchdog, []
+    positive = [("train.lr", t.lr), ("model.norm_epsilon", m.norm_epsilon), ("model.rotary_base", m.rotary_base),
+                ("watchdog.stall_factor", w.stall_factor), ("watchdog.min_stall_s", w.min_stall_s),
+                ("watchdog.phase_timeout_s", w.phase_timeout_s)]
+    if m.rope_scaling_factor is not None:
+        positive.append(("model.rope_scaling_factor", m.rope_scaling_factor))
+    if w.collective_timeout_s is not None:
+        positive.append(("watchdog.collective_timeout_s", w.collective_timeout_s))
+    at_least_zero = [("train.min_lr", t.min_lr), ("train.weight_decay", t.weight_decay),
+                     ("train.grad_clip", t.grad_clip), ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff),
+                     ("cluster.inter_node_gbps", cfg.cluster.inter_node_gbps),
+                     ("cluster.gpu.memory_gib", cfg.cluster.gpu.memory_gib),
+                     ("cluster.gpu.peak_bf16_tflops", cfg.cluster.gpu.peak_bf16_tflops),
+                     ("cluster.gpu.peak_fp8_tflops", cfg.cluster.gpu.peak_fp8_tflops)]
+    for path, v in positive:
+        if not (_finite(v) and v > 0):
+            out.append(f"{path}={v} must be a finite number above 0.")
+    for path, v in at_least_zero:
+        if not (_finite(v) and v >= 0):
+            out.append(f"{path}={v} must be a finite number, 0 or more.")
+    if not out and t.min_lr > t.lr:
+        out.append(f"train.min_lr={t.min_lr} must not exceed train.lr={t.lr} (the schedule decays towards it).")
+    if cfg.data.weights is not None and not all(_finite(x) and x >= 0 for x in cfg.data.weights):
+        out.append(f"data.weights={list(cfg.data.weights)} must be finite numbers, 0 or more.")
+    return out
+
+
+NAME_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
+
+
+def check_paths(cfg) -> list[str]:
+    """`name` becomes one directory under `job_root` (and the MLflow run's name): it must
+    not leave it. Explicit paths are the user's to choose, but a NUL or newline fits in no
+    file name an emitted script can quote."""
+    out = []
+    if cfg.name is not None and not NAME_CHARS.fullmatch(str(cfg.name)):
+        out.append(f"name={cfg.name!r} must be one directory name: letters, digits and ._+=,@- (not starting "
+                   "with one of those), no '/' or '..'. Fix: name=my_run.")
+    for key in ("job_root", "job_dir", "checkpoint.save", "checkpoint.load"):
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        if "\0" in str(value) or "\n" in str(value):
+            out.append(f"{key}={value!r} holds a NUL or newline character, which no path or script can carry.")
     return out
 
 
@@ -545,12 +616,19 @@ def check_checkpoint(cfg) -> list[str]:
         problem = writer_problem(root) if cfg.launcher.name == "local" else None
         if problem:
             out.append(problem)
+    if ck.keep_last < 0:
+        out.append(f"checkpoint.keep_last={ck.keep_last} must be 0 (keep every checkpoint) or positive.")
     if ck.save and cfg.launcher.name == "local":
         from .atomic_io import unwritable_reason
+        from .disk_space import space_problem
 
         problem = unwritable_reason(ck.save)
         if problem:
             out.append(f"checkpoint.save={ck.save} cannot be written: {problem}.")
+        elif ck.keep_last >= 0 and ck.save_interval >= 0:
+            problem = space_problem(cfg)
+            if problem:
+                out.append(problem)
     if ck.save and (Path(ck.save) / LATEST).exists():
         from .jobdir import same_job
 
@@ -596,9 +674,19 @@ def check_tracking(cfg) -> list[str]:
     launch or a sweep (found without importing it, which takes seconds)."""
     import importlib.util
 
-    if cfg.tracking.enabled and cfg.launcher.name == "local" and importlib.util.find_spec("mlflow") is None:
+    if not (cfg.tracking.enabled and cfg.launcher.name == "local"):
+        return []
+    if importlib.util.find_spec("mlflow") is None:
         return ["tracking is on, but MLflow is not installed here. Fix: pip install mlflow==3.17.2, or "
                 "tracking=off (the job directory keeps everything; `python -m gridwright.sync DIR` logs it later)."]
+    from .tracking import tracking_uri
+    from .tracking_store import store_problem
+
+    problem = store_problem(tracking_uri(cfg))
+    if problem:
+        return [f"{problem}. Fix: point tracking.uri (or MLFLOW_TRACKING_URI) at a store that works (move a "
+                "damaged file aside), or tracking=off (the job directory keeps everything; `python -m gridwright.sync DIR` logs "
+                "it later)."]
     return []
 
 
@@ -619,6 +707,27 @@ def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
                 f"Fix: make the group fit in {d} GPUs, or set {flag}=true."
             )
     return out
+
+
+def check_host_memory(cfg, layout: ParallelLayout) -> list[str]:
+    """A CPU run launched here keeps its weights, gradients and Adam's state in this
+    machine's memory (16 bytes a parameter in fp32, split over TP and PP): refuse a model
+    the machine cannot hold, before its processes allocate their way into the OOM killer."""
+    if cfg.cluster.device != "cpu" or cfg.launcher.name != "local":
+        return []
+    import psutil
+
+    from .model_math import param_counts
+
+    params = param_counts(cfg.model).total
+    need = params / (layout.tp * layout.pp) * 16 * cfg.cluster.gpus_per_node
+    have = psutil.virtual_memory().total
+    if need <= have:
+        return []
+    return [f"model {cfg.model.name} has {params / 1e9:.3g} B parameters: its {cfg.cluster.gpus_per_node} CPU "
+            f"processes need about {need / 2**30:,.0f} GiB for weights, gradients and Adam's state, and this machine "
+            f"has {have / 2**30:,.0f} GiB. Fix: a smaller model, or launcher=plan, torchrun or slurm to plan or emit "
+            "the job for machines that hold it."]
 
 
 def check_memory(cfg, layout: ParallelLayout) -> list[str]:
@@ -682,7 +791,7 @@ def _divisors(n: int) -> list[int]:
 def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
     """Check everything; return the layout and placement, or raise ConfigError."""
     count_problems = check_counts(cfg)
-    problems = check_choices(cfg) + count_problems
+    problems = check_choices(cfg) + count_problems + check_numbers(cfg) + check_paths(cfg)
     layout = ParallelLayout.from_config(cfg)
     counts_ok = not count_problems  # else the layout's arithmetic would divide by zero
     layout_problems = layout.problems() if counts_ok else []
@@ -706,6 +815,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         placement = plan_placement(layout)
         problems += check_nvlink_domains(cfg, placement)
         problems += check_memory(cfg, layout)
+        problems += check_host_memory(cfg, layout)
     if problems:
         raise ConfigError(problems)
     return layout, placement

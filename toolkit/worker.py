@@ -26,6 +26,7 @@ from .jobdir import (METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY
                      read_metrics)
 from .known_warnings import filter_known_warnings
 from .layout import ParallelLayout
+from .disk_space import DiskFull
 from .heartbeat import Heartbeat
 from .process_tree import TOKEN_ENV, die_with_parent, end_descendants
 from .step_metrics import StepMetrics, read_memory_records
@@ -68,12 +69,17 @@ class Reporter:
         if cfg.tracking.enabled:
             from . import tracking
 
-            run_id = os.environ.get("MLFLOW_RUN_ID")
-            if not run_id:
-                run_id, self.opened_run_here = tracking.open_run(cfg, job_dir, layout), True
-            self.mlflow = tracking.MetricsLogger(cfg, run_id)
-            if self.recorded_before:  # asked of MLflow: the file may hold a step MLflow missed
-                self.in_mlflow = self.mlflow.logged_steps("loss")
+            try:
+                run_id = os.environ.get("MLFLOW_RUN_ID")
+                if not run_id:
+                    run_id, self.opened_run_here = tracking.open_run(cfg, job_dir, layout), True
+                self.mlflow = tracking.MetricsLogger(cfg, run_id, job_dir)
+                if self.recorded_before:  # asked of MLflow: the file may hold a step MLflow missed
+                    self.in_mlflow = self.mlflow.logged_steps("loss")
+            except Exception as e:  # noqa: BLE001 - tracking never stops training
+                print(tracking.tracking_failure_line("opening the run", tracking.one_line(e), job_dir),
+                      flush=True)
+                self.mlflow, self.opened_run_here = None, False
 
     def on_step(self, step: int, raw: dict) -> None:
         if self.first_step is None:  # keep what earlier attempts recorded before this step
@@ -146,9 +152,13 @@ class Reporter:
             return
         from . import tracking
 
-        tracking.close_run(self.cfg, self.mlflow.run_id, status, self.job_dir, error=error)
         self.opened_run_here = False
-        print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
+        try:
+            tracking.close_run(self.cfg, self.mlflow.run_id, status, self.job_dir, error=error)
+            print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
+        except Exception as e:  # noqa: BLE001 - the job directory is the record
+            print(tracking.tracking_failure_line("closing the run", tracking.one_line(e), self.job_dir),
+                  flush=True)
 
 
 def has_run_before(job_dir: Path) -> bool:
@@ -211,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
+    except DiskFull as e:  # said in full by the rank that met it
+        print(f"error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         end_descendants()
 

@@ -1,7 +1,9 @@
 """How both engines publish a checkpoint, so that a kill at any moment leaves the previous
 one as the one that loads: every rank writes into `iter_N.partial/`; once all have
 finished, rank 0 renames it to `iter_N/` and only then points `latest` at it (atomically).
-A `.partial` left by a killed save is removed by the next save of that step."""
+A `.partial` left by a killed save is removed by the next save of that step. A save that
+fills the disk says so (disk_space.DiskFull); `keep_last` removes older checkpoints once
+the new one is published, never the one `latest` names nor one being written."""
 from __future__ import annotations
 
 import contextlib
@@ -13,13 +15,16 @@ from typing import Iterator
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoint_dir import LATEST, iteration_name
+from ..checkpoint_dir import LATEST, iteration_name, iterations
+from ..disk_space import DiskFull, is_disk_full, no_space_message
 
 
 @contextlib.contextmanager
-def staged_iteration(root: str | os.PathLike, step: int) -> Iterator[Path]:
+def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, needed_bytes: int = 0) -> Iterator[Path]:
     """Collective: yields the `.partial` directory to write the checkpoint of `step` into;
-    on leaving, publishes it as `root/iter_N` (see the module docstring)."""
+    on leaving, publishes it as `root/iter_N` and keeps the newest `keep_last` (0: all;
+    see the module docstring). `needed_bytes`, one checkpoint's estimated size, is what a
+    full disk is measured against."""
     root = Path(root)
     final = root / iteration_name(step)
     partial = root / (iteration_name(step) + ".partial")
@@ -29,11 +34,28 @@ def staged_iteration(root: str | os.PathLike, step: int) -> Iterator[Path]:
             shutil.rmtree(partial)
         partial.mkdir()
     dist.barrier()
-    yield partial
+    try:
+        yield partial
+    except Exception as e:
+        if is_disk_full(e, root, needed_bytes):
+            raise DiskFull(no_space_message(root, needed_bytes)) from e
+        raise
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
         write_text_atomic(root / LATEST, final.name + "\n")
+        if keep_last:
+            remove_older(root, keep_last)
     dist.barrier()
+
+
+def remove_older(root: Path, keep_last: int) -> list[Path]:
+    """Remove complete checkpoints older than the newest `keep_last`. `latest` names the
+    newest (just published), and `.partial` directories do not match: neither is touched."""
+    kept = (root / LATEST).read_text().strip()
+    gone = [p for p in iterations(root)[:-keep_last] if p.name != kept]
+    for path in gone:
+        shutil.rmtree(path)
+    return gone

@@ -46,6 +46,7 @@ from ..checkpoint_dir import (
 )
 from ..checkpoint_trust import guarded_module_command, load_torch_file, refuse_pickled_code
 from ..logits_digest import digest, sample_tokens
+from ..disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
 
 
@@ -66,7 +67,8 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     import deepspeed
 
-    with staged_iteration(root, step) as partial:
+    ck = trainer.cfg.checkpoint
+    with staged_iteration(root, step, ck.keep_last, checkpoint_bytes(trainer.cfg)) as partial:
         fingerprint = logits_digest(trainer)
         # DeepSpeed's universal converter wants this entry (for a model without tensor
         # parallelism the version is all it reads); it lets a resume change the DP size.

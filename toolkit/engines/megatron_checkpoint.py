@@ -26,6 +26,7 @@ from ..checkpoint_dir import (
 )
 from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
+from ..disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
 
 
@@ -163,7 +164,8 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     """Save after `step` completed steps; returns the final checkpoint directory."""
     from megatron.core import dist_checkpointing
 
-    with staged_iteration(root, step) as partial:
+    ck = trainer.cfg.checkpoint
+    with staged_iteration(root, step, ck.keep_last, checkpoint_bytes(trainer.cfg)) as partial:
         state = _sharded_state(trainer, is_loading=False, with_rng=True)
         state["common"] = {
             "step": step,

@@ -588,6 +588,8 @@ def check_checkpoint(cfg) -> list[str]:
     from .checkpoint_dir import LATEST, deepspeed_settings, describe_problem, holds_checkpoints, writer_problem
 
     ck, out = cfg.checkpoint, []
+    if ck.keep_last < 0:
+        out.append(f"checkpoint.keep_last={ck.keep_last} must be 0 (keep every checkpoint) or positive.")
     if not (ck.save or ck.load):
         return out
     if ck.save_interval < 0:
@@ -616,8 +618,6 @@ def check_checkpoint(cfg) -> list[str]:
         problem = writer_problem(root) if cfg.launcher.name == "local" else None
         if problem:
             out.append(problem)
-    if ck.keep_last < 0:
-        out.append(f"checkpoint.keep_last={ck.keep_last} must be 0 (keep every checkpoint) or positive.")
     if ck.save and cfg.launcher.name == "local":
         from .atomic_io import unwritable_reason
         from .disk_space import space_problem

@@ -82,7 +82,7 @@ def absolute_paths(cfg) -> None:
     (Slurm's submission directory, another node's home) and must find the same files."""
     from pathlib import Path
 
-    from .tracking import absolute_uri
+    from .tracking_store import absolute_uri
 
     cfg.tracking.uri = absolute_uri(cfg.tracking.uri)
     for key in ("save", "load"):

@@ -21,12 +21,13 @@ from pathlib import Path
 from . import tracking
 from .jobdir import is_job_dir, is_sweep_dir, load_job_config
 from .sweep import SweepRecord
+from .tracking_store import absolute_uri
 
 EXIT_BAD_INPUT = 2
 
 
 def _store(uri_arg: str | None, configured: str) -> str:
-    return tracking.absolute_uri(uri_arg or os.environ.get("MLFLOW_TRACKING_URI") or configured)
+    return absolute_uri(uri_arg or os.environ.get("MLFLOW_TRACKING_URI") or configured)
 
 
 def sync_sweep(path: Path, uri_arg: str | None) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from .profiling import TRACES_DIR
 from . import run_owner
 from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
 from .trace_analysis import COMMUNICATION_FILE
-from .tracking_store import bound_http_waits
+from .tracking_store import bound_http_waits, tracking_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,19 +51,6 @@ MAX_PARAM_CHARS = 6000
 
 
 # Store and experiment -------------------------------------------------------
-def absolute_uri(uri: str) -> str:
-    """A relative SQLite path made absolute (against the current directory)."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        uri = prefix + str(Path(uri[len(prefix):]).resolve())
-    return uri
-
-
-def tracking_uri(cfg) -> str:
-    """MLFLOW_TRACKING_URI wins (a remote server); else the configured store, made absolute."""
-    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
-
-
 def _artifact_location(uri: str) -> str | None:
     """Keep artifacts beside a local SQLite store, not in whatever directory a worker runs in."""
     if uri.startswith("sqlite:///"):

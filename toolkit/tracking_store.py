@@ -18,6 +18,19 @@ HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACK
 HTTP_WAIT_BOUND_S = 33
 
 
+def absolute_uri(uri: str) -> str:
+    """A relative SQLite path made absolute (against the current directory)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def tracking_uri(cfg) -> str:
+    """MLFLOW_TRACKING_URI wins (a remote server); else the configured store, made absolute."""
+    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
+
+
 def bound_http_waits() -> None:
     """Apply HTTP_BOUNDS to this process (and its children), unless the user set them."""
     for key, value in HTTP_BOUNDS.items():

@@ -679,8 +679,7 @@ def check_tracking(cfg) -> list[str]:
     if importlib.util.find_spec("mlflow") is None:
         return ["tracking is on, but MLflow is not installed here. Fix: pip install mlflow==3.17.2, or "
                 "tracking=off (the job directory keeps everything; `python -m gridwright.sync DIR` logs it later)."]
-    from .tracking import tracking_uri
-    from .tracking_store import store_problem
+    from .tracking_store import store_problem, tracking_uri
 
     problem = store_problem(tracking_uri(cfg))
     if problem:

@@ -122,7 +122,9 @@ def sbatch_script(cfg, job_dir: Path) -> str:
         f"# Planned placement (rank -> node, GPU, coordinates): {job_dir}/placement.csv",
         f"export GRIDWRIGHT_PLACEMENT={shlex.quote(f'{job_dir}/placement.json')}",
         *[f"export {k}={shlex.quote(v)}" for k, v in sorted(worker_env(cfg).items())],
-        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # awk reads the whole list: `head -n 1` may exit before scontrol has written it all,
+        # and scontrol's SIGPIPE, under pipefail, ends the script (seen with 3000 nodes).
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')',
         'MASTER_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" hostname --ip-address | awk \'{print $1}\')',
         f"export MASTER_ADDR MASTER_PORT={shlex.quote(str(lcfg.master_port))}",
         'echo "gridwright  job $SLURM_JOB_ID attempt ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s), '

@@ -7,8 +7,8 @@ is hung when its heartbeat is older than its bound:
 
 * while training: `watchdog.stall_factor` x the median of its recent step times, and at
   least `watchdog.min_stall_s` (a profiled or evaluating step is slower, not stopped);
-* while starting (building, compiling, loading a checkpoint), saving or finishing:
-  `watchdog.phase_timeout_s`, as those take minutes on large models.
+* while starting (building, compiling, loading a checkpoint), evaluating, saving or
+  finishing: `watchdog.phase_timeout_s`, as those take minutes on large models.
 
 Then every rank of this node is asked for its Python stacks (SIGUSR1, faulthandler), the
 finding is written to `hang.json` and printed as one block naming the rank and the step,

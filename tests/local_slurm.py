@@ -5,6 +5,7 @@ Needs root (slurmd runs jobs as their user) and Slurm from the distribution's pa
 (`.ci/run` installs them when missing)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -21,6 +22,27 @@ def _free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+@contextlib.contextmanager
+def running_cluster():
+    """A started two-node LocalSlurm for a test module's fixture (skipped where Slurm is
+    missing), stopped and removed afterwards."""
+    import tempfile
+
+    import pytest
+
+    why = missing()
+    if why:
+        pytest.skip(f"no local Slurm: {why}")
+    # Not under pytest's 0700 temporary root: munged runs as its own user and must reach it.
+    root = Path(tempfile.mkdtemp(prefix="gridwright-slurm-", dir="/tmp"))
+    cluster = LocalSlurm(root).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def missing() -> str | None:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from local_slurm import LocalSlurm, missing
+from local_slurm import LocalSlurm, running_cluster
 
 from gridwright.launchers import slurm as slurm_launcher
 from gridwright.launchers import torchrun_multinode
@@ -34,8 +34,10 @@ SLURM_ARGS = ("launcher=slurm", "cluster.nodes=2", "cluster.gpus_per_node=1", "l
 
 
 def hydra_quoted(key: str, value: str) -> str:
-    """A Hydra override setting `key` to `value` exactly (single-quoted, escapes as Hydra reads them)."""
-    return f"{key}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    """A Hydra override setting `key` to `value` exactly: single-quoted, `'` escaped. (Hydra
+    keeps a backslash that precedes no quote as it is, so values here hold none.)"""
+    assert "\\" not in value, value
+    return f"{key}='" + value.replace("'", "\\'") + "'"
 
 
 def config(compose, job_dir: str, *overrides):
@@ -234,16 +236,16 @@ def test_sbatch_body_runs_under_bash(compose, tmp_path):
     assert (tmp_path / "srun-output").read_text() == f"{str(job_dir).replace('%', '%%')}/slurm-%j-node%n.out"
 
 
-@pytest.mark.parametrize("override, key", [
-    (hydra_quoted("job_dir", "/tmp/x/two\nlines"), "job_dir="),
-    (hydra_quoted("job_dir", "/tmp/x/back\\slash"), "job_dir="),
-    (hydra_quoted("launcher.partition", "gpu\n#SBATCH --qos=high"), "launcher.partition="),
-    ("launcher.extra_directives=['--reservation=r1\n--qos=high']", "launcher.extra_directives"),
+@pytest.mark.parametrize("override, job_dir, message", [
+    (None, "/tmp/x/two\nlines", "job_dir=.*line break"),
+    (None, "/tmp/x/back\\slash", "job_dir=.*backslash"),
+    (hydra_quoted("launcher.partition", "gpu\n#SBATCH --qos=high"), JOB_DIR, "launcher.partition=.*line break"),
+    ("launcher.extra_directives=['--reservation=r1\n--qos=high']", JOB_DIR, "launcher.extra_directives.*line break"),
 ])
-def test_sbatch_refuses_what_it_cannot_write(compose, override, key):
-    cfg = compose(*SLURM_ARGS, override)
-    with pytest.raises(ValueError, match=key):
-        slurm_launcher.sbatch_script(cfg, Path(cfg.job_dir or JOB_DIR))
+def test_sbatch_refuses_what_it_cannot_write(compose, override, job_dir, message):
+    cfg = compose(*SLURM_ARGS, *([override] if override else []))
+    with pytest.raises(ValueError, match=message):
+        slurm_launcher.sbatch_script(cfg, Path(job_dir))
 
 
 def test_container_mounts_refuse_a_colon_or_comma(compose):
@@ -256,29 +258,42 @@ def test_container_mounts_refuse_a_colon_or_comma(compose):
 @pytest.fixture(scope="module")
 def local_slurm():
     """The local two-node Slurm of tests/local_slurm.py (as tests/test_multinode.py uses it)."""
-    why = missing()
-    if why:
-        pytest.skip(f"no local Slurm: {why}")
-    # Not under pytest's 0700 temporary root: munged runs as its own user and must reach it.
-    root = Path(tempfile.mkdtemp(prefix="gridwright-slurm-", dir="/tmp"))
-    cluster = LocalSlurm(root).start()
-    yield cluster
-    cluster.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    with running_cluster() as cluster:
+        yield cluster
+
+
+def job_fields(slurm: LocalSlurm, job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields that sit last on their line (JobName, StdOut), whole:
+    their values may hold spaces."""
+    out = {}
+    for line in slurm.scontrol("show", "job", job_id).splitlines():
+        for key in ("JobName", "StdOut"):
+            if f" {key}=" in f" {line.strip()}":
+                out[key] = line.split(f"{key}=", 1)[1]
+    return out
 
 
 @pytest.mark.parametrize("job_dir", NASTY_DIRS)
 def test_sbatch_accepts_the_script(compose, local_slurm, job_dir):
-    """`sbatch --test-only`: sbatch parses the directives and the controller checks the job."""
+    """`sbatch --test-only`: sbatch parses the directives and the controller checks the job.
+    Then submitted on hold: the controller holds the job name and output file meant."""
     cfg = config(compose, job_dir, *SLURM_ARGS, hydra_quoted("name", "run #1 \"ünï\""))
     script = Path(tempfile.mkdtemp(prefix="gridwright-sbatch-")) / "job.sbatch"
     try:
         script.write_text(slurm_launcher.sbatch_script(cfg, Path(job_dir)))
         result = subprocess.run(["sbatch", "--test-only", str(script)], env=local_slurm.env,
                                 capture_output=True, text=True)
+        assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
+        job_id = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], env=local_slurm.env,
+                                capture_output=True, text=True, check=True).stdout.strip()
+        try:
+            # scontrol shows %j expanded, and a doubled % as written (slurmstepd undoubles it).
+            assert job_fields(local_slurm, job_id) == {
+                "JobName": "run #1 \"ünï\"", "StdOut": f"{job_dir.replace('%', '%%')}/slurm-{job_id}.out"}
+        finally:
+            subprocess.run(["scancel", job_id], env=local_slurm.env, check=True)
     finally:
         shutil.rmtree(script.parent)
-    assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
 
 
 def test_sbatch_runs_the_script_on_two_nodes(compose, local_slurm, tmp_path):

@@ -60,3 +60,22 @@ def test_the_collective_timeout_is_the_keys_or_the_backends_default(compose):
     assert collective_timeout(cfg, "gloo").total_seconds() == 900
     cfg = compose("watchdog.collective_timeout_s=42")
     assert collective_timeout(cfg, "gloo").total_seconds() == 42
+
+
+def test_the_bound_follows_recent_step_times_and_phases(compose):
+    from gridwright.launchers.watchdog import bound_s, finding_for, late_ranks
+
+    cfg = compose("watchdog.min_stall_s=60", "watchdog.stall_factor=10", "watchdog.phase_timeout_s=1800")
+    now = 10_000.0
+    beats = {
+        0: {"phase": "training", "step": 41, "recent_step_s": 20.0, "time": now - 150, "host": "h"},  # bound 200 s
+        1: {"phase": "training", "step": 40, "recent_step_s": 0.5, "time": now - 61, "host": "h"},  # bound 60 s
+        2: {"phase": "saving", "step": 40, "recent_step_s": 0.5, "time": now - 900, "host": "h"},  # bound 1800 s
+    }
+    assert [bound_s(beats[r], cfg) for r in (0, 1, 2)] == [200.0, 60.0, 1800.0]
+    late = late_ranks(beats, cfg, now)
+    assert set(late) == {1}
+    ranks = {r: {"dumped": True} for r in beats}
+    assert finding_for(beats, late, ranks, cfg)["rank"] == 1  # furthest behind among the silent
+    ranks[2]["dumped"] = False
+    assert finding_for(beats, late, ranks, cfg)["rank"] == 2  # the one that did not answer comes first

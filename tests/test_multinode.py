@@ -1,17 +1,15 @@
 """Multi-node launchers run for real on this host: the emitted torchrun lines as two agents,
 and the sbatch script, unedited, on a local Slurm with two nodes, with a requeue."""
 import json
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO
-from local_slurm import LocalSlurm, missing
+from local_slurm import running_cluster
 
 from gridwright.launchers.local import free_port
 
@@ -73,15 +71,8 @@ def test_torchrun_lines_as_two_agents(tmp_path, single_node):
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    why = missing()
-    if why:
-        pytest.skip(f"no local Slurm: {why}")
-    # Not under pytest's 0700 temporary root: munged runs as its own user and must reach it.
-    root = Path(tempfile.mkdtemp(prefix="gridwright-slurm-", dir="/tmp"))
-    cluster = LocalSlurm(root).start()
-    yield cluster
-    cluster.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    with running_cluster() as cluster:
+        yield cluster
 
 
 def test_slurm_two_nodes_with_a_requeue(tmp_path, slurm, single_node):

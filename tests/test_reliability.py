@@ -178,3 +178,10 @@ def test_a_disk_that_fills_at_a_save_says_so_and_keeps_the_previous_checkpoint(t
             in lines[0] and "The previous checkpoint is intact." in lines[0], err[-3000:]
         assert (ck / "latest").read_text().strip() == first
         assert (ck / first / "metadata.json").is_file()
+
+
+def test_a_path_the_slurm_script_cannot_hold_is_refused_before_the_job_directory(tmp_path):
+    job = tmp_path / "a\\b c"
+    refused(launch(tmp_path, "tracking=off", "launcher=slurm", f"job_dir={job}"),
+            "Slurm's --output drops backslashes from file names")
+    assert not job.exists()

@@ -11,7 +11,8 @@ such file is read with an allowlist instead:
   engines store (DeepSpeed's loss scaler, fragment address and ZeRO-stage enum; numpy's
   array for saved RNG states);
 * DCP's `.metadata`, a plain pickle, through a restricted unpickler that admits
-  torch.distributed.checkpoint's dataclasses and enums, `torch.Size` and dtypes.
+  torch.distributed.checkpoint's dataclasses and enums, `torch.Size`, dtypes and POSIX
+  paths (the storage id of a checkpoint the converter wrote).
 
 A file that names anything else is refused in one line naming the file and the global.
 `checkpoint.trust_pickled_code=true` (the converter: `--trust-pickled-code`) reads with
@@ -158,6 +159,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             import collections
 
             return collections.OrderedDict
+        if module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath"):  # a path object only holds parts
+            import pathlib
+
+            return getattr(pathlib, name)
         if module in _DCP_METADATA_MODULES:
             import importlib
 

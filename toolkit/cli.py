@@ -6,6 +6,7 @@ Nothing is created or started until validation has passed.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 from omegaconf import DictConfig, OmegaConf
@@ -112,6 +113,9 @@ def run(hydra_cfg: DictConfig) -> int:
         problem = unwritable_reason(job_dir)
         if problem:
             raise ConfigError([f"cannot create the job directory {job_dir}: {problem}. Fix: set job_root or job_dir."])
+        script_problem = emitted_script_problem(cfg, job_dir)
+        if script_problem:
+            raise ConfigError([script_problem])
     except (ConfigError, JobDirExists) as e:
         print(f"error: {e}", file=sys.stderr)
         for note in composition_notes(cfg):
@@ -145,9 +149,26 @@ def run(hydra_cfg: DictConfig) -> int:
         from gridwright.launchers.slurm import emit_slurm
 
         path = emit_slurm(cfg, job_dir)
-        print(f"wrote {path}; submit it with: sbatch {path}")
+        print(f"wrote {path}; submit it with: sbatch {shlex.quote(str(path))}")
         return 0
     return run_locally(cfg, layout, job_dir)
+
+
+def emitted_script_problem(cfg, job_dir) -> str | None:
+    """What the torchrun lines or the Slurm script cannot express (a line break in a path,
+    say), found before the job directory is created."""
+    try:
+        if cfg.launcher.name == "slurm":
+            from gridwright.launchers.slurm import sbatch_script
+
+            sbatch_script(cfg, job_dir)
+        elif cfg.launcher.name == "torchrun":
+            from gridwright.launchers.torchrun_multinode import node_command
+
+            node_command(cfg, job_dir, 0)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def run_locally(cfg, layout, job_dir) -> int:

@@ -1,7 +1,7 @@
 """Each rank's sign of life, in the job directory: what a node's agent watches for hangs.
 
 A rank writes `heartbeats/rank_NNNNN.json` (atomically) as it moves between phases
-(starting, training, saving, finishing) and after its steps, at most once a second:
+(starting, training, evaluating, saving, finishing) and after its steps, at most once a second:
 its step, the time, and the median of its recent step times. It also arms faulthandler
 so that SIGUSR1 dumps every thread's Python stack into `stacks/rank_NNNNN.txt` without
 the interpreter's help (a rank blocked inside a collective still answers). The agent

@@ -283,7 +283,9 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
             done = step + 1
             every = cfg.data.eval_interval
             if every and (done % every == 0 or done == cfg.train.steps):
+                progress.phase("evaluating")  # its first forward-only pass may compile for minutes
                 metrics["val_loss"] = trainer.evaluate(done // every)
+                progress.phase("training")
             if trainer.is_logging_rank:
                 on_step(step, metrics)
             due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)

@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from gridwright.process_tree import TOKEN_ENV, end_run_processes, new_token
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         _follow_launcher()
     token = os.environ.setdefault(TOKEN_ENV, new_token())
     stopped_by = {}
+    started = time.time()
 
     def note_signal(signum, frame):  # torchrun replaces this once it starts the workers
         stopped_by["signal"] = signum
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         left = end_run_processes(token)
         if left:
             print(f"agent       ended {left} process(es) the workers left behind", file=sys.stderr, flush=True)
-        _close_orphaned_run(job_dir, killed="signal" in stopped_by)
+        _close_orphaned_run(job_dir, killed="signal" in stopped_by, since=started)
     return code
 
 
@@ -173,7 +175,7 @@ def _start_watchdog(job_dir: Path, token: str):
     return Watchdog(job_dir, cfg, token).start()
 
 
-def _close_orphaned_run(job_dir: Path, killed: bool) -> None:
+def _close_orphaned_run(job_dir: Path, killed: bool, since: float) -> None:
     from gridwright.jobdir import load_job_config
 
     try:
@@ -187,7 +189,7 @@ def _close_orphaned_run(job_dir: Path, killed: bool) -> None:
     from .watchdog import hang_summary
 
     try:
-        close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed", error=hang_summary(job_dir))
+        close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed", error=hang_summary(job_dir, since))
     except Exception as e:  # noqa: BLE001 - a store out of reach must not hide the run's own exit
         print(f"agent       could not close the job's MLflow run ({type(e).__name__}: {e}); "
               f"python -m gridwright.sync {job_dir} closes it later", file=sys.stderr, flush=True)

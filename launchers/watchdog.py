@@ -7,13 +7,14 @@ is hung when its heartbeat is older than its bound:
 
 * while training: `watchdog.stall_factor` x the median of its recent step times, and at
   least `watchdog.min_stall_s` (a profiled or evaluating step is slower, not stopped);
-* while starting (building, compiling, loading a checkpoint), evaluating, saving or
-  finishing: `watchdog.phase_timeout_s`, as those take minutes on large models.
+* while starting (building, compiling, loading a checkpoint), evaluating, writing a
+  profiler trace, saving or finishing: `watchdog.phase_timeout_s`, as those take minutes
+  on large models.
 
 Then every rank of this node is asked for its Python stacks (SIGUSR1, faulthandler), the
-finding is written to `hang.json` and printed as one block naming the rank and the step,
-and this node's workers are killed: torchrun sees them fail and the job ends, FAILED in
-MLflow. A rank that did not dump its stacks (stopped, or stuck outside Python) is named
+finding is written to `hangs/<host>-<token>.json` and printed as one block naming the rank
+and the step, and this node's workers are killed: torchrun sees them fail and the job
+ends, FAILED in MLflow (or, with `launcher.max_restarts`, restarts from its checkpoint). A rank that did not dump its stacks (stopped, or stuck outside Python) is named
 as such. Anchors: torch's NCCL watchdog and flight recorder, NVIDIA's resiliency
 extension (its in-job heartbeat monitor); this one needs neither NCCL nor a CUDA device.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,7 +34,7 @@ import psutil
 from gridwright.atomic_io import write_text_atomic
 from gridwright.heartbeat import STACK_SIGNAL, read_heartbeats, stacks_file
 
-HANG_FILE = "hang.json"
+HANGS_DIR = "hangs"  # one finding per node agent: hangs/<host>-<token>.json
 _POLL_S = 1.0
 _DUMP_WAIT_S = 3.0
 
@@ -51,6 +53,13 @@ def _alive(rec: dict) -> psutil.Process | None:
         return proc if proc.status() != psutil.STATUS_ZOMBIE else None
     except psutil.Error:
         return None
+
+
+def _status(rec: dict) -> str:
+    try:
+        return psutil.Process(rec["pid"]).status()
+    except psutil.Error:
+        return "gone"
 
 
 def late_ranks(beats: dict[int, dict], cfg, now: float) -> dict[int, float]:
@@ -90,7 +99,7 @@ def describe(finding: dict, ranks: dict[int, dict], job_dir: Path) -> list[str]:
         stacks = f"stacks in {info['stacks']}" if info["dumped"] else "no stack dump (it did not answer SIGUSR1)"
         at = "-" if info["step"] is None else info["step"]
         lines.append(f"            rank {rank}: step {at}, {info['phase']}, process {info['state']}; {stacks}")
-    lines.append(f"            the finding is in {job_dir / HANG_FILE}")
+    lines.append(f"            the finding is in {job_dir / HANGS_DIR}")
     return lines
 
 
@@ -106,23 +115,21 @@ def _dump_stacks(job_dir: Path, beats: dict[int, dict]) -> dict[int, dict]:
     time.sleep(_DUMP_WAIT_S)
     out = {}
     for rank, rec in beats.items():
-        proc = _alive(rec)
         file = stacks_file(job_dir, rank)
-        out[rank] = {"step": rec["step"], "phase": rec["phase"], "pid": rec["pid"],
-                     "state": proc.status() if proc else "gone", "stacks": str(file),
-                     "dumped": file.exists() and file.stat().st_size > sizes[rank]}
+        out[rank] = {"step": rec["step"], "phase": rec["phase"], "pid": rec["pid"], "state": _status(rec),
+                     "stacks": str(file), "dumped": file.exists() and file.stat().st_size > sizes[rank]}
     return out
 
 
 class Watchdog:
-    """Started by the agent; `finding` is set once it has stopped the job for a hang."""
+    """Started by the agent; `finding` is set once it has stopped this node's workers for a
+    hang. It goes on watching: with `launcher.max_restarts`, torchrun starts new workers."""
 
     def __init__(self, job_dir: Path, cfg, token: str):
         self.job_dir, self.cfg, self.token = Path(job_dir), cfg, token
         self.finding: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gridwright-watchdog", daemon=True)
-
     def start(self) -> "Watchdog":
         if self.cfg.watchdog.enabled:
             self._thread.start()
@@ -132,10 +139,15 @@ class Watchdog:
         self._stop.set()
 
     def _mine(self) -> dict[int, dict]:
-        """This node's live ranks (a dead rank is torchrun's to report, and a finished
-        attempt's heartbeats are not this one's)."""
-        return {r: rec for r, rec in read_heartbeats(self.job_dir).items()
-                if rec.get("token") == self.token and _alive(rec) is not None}
+        """This node's live workers: heartbeats under this agent's token whose process is
+        one of this agent's descendants (a dead rank is torchrun's to report, and a pid
+        written in a file is never signalled unless it is ours)."""
+        try:
+            ours = {p.pid for p in psutil.Process().children(recursive=True)}
+        except psutil.Error:
+            return {}
+        return {r: rec for r, rec in read_heartbeats(self.job_dir, self.token).items()
+                if rec.get("pid") in ours and _alive(rec) is not None}
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
@@ -143,12 +155,12 @@ class Watchdog:
             late = late_ranks(beats, self.cfg, time.time())
             if late:
                 self._stop_for(beats, late)
-                return
 
     def _stop_for(self, beats: dict[int, dict], late: dict[int, float]) -> None:
         ranks = _dump_stacks(self.job_dir, beats)
-        finding = finding_for(beats, late, ranks, self.cfg)
-        write_text_atomic(self.job_dir / HANG_FILE, json.dumps(finding, indent=1))
+        finding = finding_for(beats, late, ranks, self.cfg) | {"token": self.token, "detected_at": time.time()}
+        write_text_atomic(self.job_dir / HANGS_DIR / f"{socket.gethostname()}-{self.token[:12]}.json",
+                          json.dumps(finding, indent=1))
         self.finding = finding
         print("\n".join(describe(finding, ranks, self.job_dir)), file=sys.stderr, flush=True)
         for rec in beats.values():  # a stopped rank cannot be asked: the job has failed, end it now
@@ -158,11 +170,26 @@ class Watchdog:
                 pass
 
 
-def hang_summary(job_dir: Path) -> str | None:
-    """One line for the run's record (MLflow's error), when a watchdog stopped this job."""
-    path = Path(job_dir) / HANG_FILE
-    if not path.is_file():
+def findings(job_dir: Path, since: float = 0.0) -> list[dict]:
+    """The watchdogs' findings in this job directory detected after `since`, earliest first."""
+    out = []
+    for path in sorted((Path(job_dir) / HANGS_DIR).glob("*.json")):
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if found.get("detected_at", 0) >= since:
+            out.append(found | {"file": str(path)})
+    return sorted(out, key=lambda f: f["detected_at"])
+
+
+def hang_summary(job_dir: Path, since: float = 0.0) -> str | None:
+    """One line for the run's record (MLflow's error), when a watchdog stopped this job's
+    workers after `since` (the first finding: on other nodes, ranks then wait for it)."""
+    found = findings(job_dir, since)
+    if not found:
         return None
-    f = json.loads(path.read_text())
+    f = found[0]
     step = "before its first step" if f["step"] is None else f"after step {f['step']}"
-    return f"hang: rank {f['rank']} made no progress for {f['silent_s']:g} s {step} (bound {f['bound_s']:g} s)"
+    return (f"hang: rank {f['rank']} on {f['host']} made no progress for {f['silent_s']:g} s {step} "
+            f"(bound {f['bound_s']:g} s)")

@@ -143,14 +143,15 @@ def test_free_space_is_checked_before_start_and_retention_keeps_n(tmp_path, comp
 
 def test_retention_never_removes_latest_nor_a_save_under_way(tmp_path):
     root = tmp_path / "ck"
-    for step in (1, 2, 3, 4):
+    for step in (10, 20, 30, 35, 40, 50):
         (root / f"iter_{step:07d}").mkdir(parents=True)
-    (root / "iter_0000005.partial").mkdir()
-    (root / "latest").write_text("iter_0000002\n")  # e.g. a fallback resume pointed back
-    gone = remove_older(root, 1)
-    assert sorted(p.name for p in gone) == ["iter_0000001", "iter_0000003"]
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005.partial",
-                                                      "latest"]
+    (root / "iter_0000060.partial").mkdir()
+    (root / "latest").write_text("iter_0000035\n")  # rolled back to 30, then saved 35
+    gone = remove_older(root, 2)
+    assert sorted(p.name for p in gone) == ["iter_0000010", "iter_0000020"]
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000030", "iter_0000035", "iter_0000040", "iter_0000050",
+                                                      "iter_0000060.partial", "latest"]
+    assert remove_older(root, 1) == [root / "iter_0000030"]
 
 
 def test_a_disk_that_fills_at_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path):

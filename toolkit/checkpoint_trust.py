@@ -7,12 +7,12 @@ checkpoint someone else wrote could run code on the launcher and on every node. 
 such file is read with an allowlist instead:
 
 * torch's zip files through `torch.load(weights_only=True)`, with torch's own allowlist
-  mechanism (`torch.serialization.safe_globals`) widened by the few classes gridwright's
-  engines store (DeepSpeed's loss scaler, fragment address and ZeRO-stage enum; numpy's
-  array for saved RNG states);
+  mechanism (`torch.serialization.safe_globals`) widened by the few classes DeepSpeed's
+  optimizer states hold (its loss scaler, fragment address and ZeRO-stage enum);
 * DCP's `.metadata`, a plain pickle, through a restricted unpickler that admits
-  torch.distributed.checkpoint's dataclasses and enums, `torch.Size`, dtypes and POSIX
-  paths (the storage id of a checkpoint the converter wrote).
+  torch.distributed.checkpoint's own dataclasses and enums, `torch.Size`, dtypes and
+  POSIX paths (the storage id of a checkpoint the converter wrote), and never sets
+  attributes on a class.
 
 A file that names anything else is refused in one line naming the file and the global.
 `checkpoint.trust_pickled_code=true` (the converter: `--trust-pickled-code`) reads with
@@ -66,16 +66,11 @@ class UntrustedCheckpointFile(RuntimeError):
 
 
 def _torch_allowlist() -> list:
-    """What gridwright's checkpoints hold beyond torch's default weights-only set: numpy's
-    array (saved RNG states)."""
-    import numpy as np
-
-    found = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64))]
-    try:
-        found.append(np._core.multiarray._reconstruct)  # numpy 2
-    except AttributeError:
-        found.append(np.core.multiarray._reconstruct)
-    return found
+    """What gridwright's checkpoints hold beyond torch's default weights-only set: nothing
+    by default. numpy is deliberately absent: `dtype.__setstate__` takes field layouts from
+    the file, which can make an array read file bytes as object pointers (a reviewer's
+    crafted common.pt crashed a worker that way), so RNG states are saved without numpy."""
+    return []
 
 
 # DeepSpeed's optimizer states hold these objects. Importing DeepSpeed takes seconds and
@@ -137,37 +132,53 @@ def load_torch_file(source, *, trust: bool | None = None, map_location="cpu", **
             source.seek(0)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` with nothing callable but its own record types. Restricting
-    `find_class` is the standard library's documented way to limit an unpickler: every
-    global a pickle uses (for calls, new objects, extension codes) comes through it."""
+# The dtypes a tensor's properties may name (looked up by name, never through torch's
+# module __getattr__, which imports lazily).
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                "uint16", "uint32", "uint64")
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """DCP's `.metadata` with nothing callable but its own record types. Every global a
+    pickle uses (for calls, new objects, extension codes) comes through `find_class`,
+    which admits only dataclasses and enums defined in DCP's own metadata modules,
+    `torch.Size`, dtypes and POSIX paths. BUILD on a class (which would set attributes on
+    it for the whole process) is refused: that needs the pure-Python unpickler, whose
+    opcodes can be overridden; `.metadata` files are small."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, where: str):
         super().__init__(file)
         self.where = where
 
+    def load_build(self):
+        if isinstance(self.stack[-2], type):
+            raise UntrustedCheckpointFile(self.where, f"a change to the class {self.stack[-2].__qualname__}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
     def find_class(self, module: str, name: str):
+        import importlib
+
         import torch
 
         if module == "torch" and name == "Size":
             return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == "torch" and name in _DTYPE_NAMES and hasattr(torch, name):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):  # torch.layout by name (torch.strided)
             return torch.serialization._get_layout
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
-
-            return collections.OrderedDict
-        if module == "pathlib" and name in ("Path", "PosixPath", "PurePosixPath"):  # a path object only holds parts
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # a path object only holds parts
             import pathlib
 
             return getattr(pathlib, name)
         if module in _DCP_METADATA_MODULES:
-            import importlib
-
             found = getattr(importlib.import_module(module), name, None)
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+            if (isinstance(found, type) and found.__module__ == module and found is not enum.Enum
+                    and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum))):
                 return found
         raise UntrustedCheckpointFile(self.where, f"{module}.{name}")
 
@@ -209,13 +220,36 @@ def refuse_pickled_code(iteration_dir: str | os.PathLike, trust: bool | None = N
             info = (metadata.storage_data or {}).get(MetadataIndex(fqn))
             if info is None:
                 continue
-            with open(path / info.relative_path, "rb") as f:
+            shard = (path / info.relative_path).resolve()
+            if shard.parent != path.resolve() or not shard.is_file():
+                raise UntrustedCheckpointFile(f"{path / '.metadata'}", f"a shard outside the checkpoint ({info.relative_path})")
+            with open(shard, "rb") as f:
                 f.seek(info.offset)
                 record = f.read(info.length)
             try:
                 load_torch_file(io.BytesIO(record))
             except UntrustedCheckpointFile as e:
                 raise UntrustedCheckpointFile(f"{path / info.relative_path} (object '{fqn}')", e.needs) from None
+
+
+def refuse_pickled_code_on_every_rank(iteration_dir: str | os.PathLike) -> None:
+    """Collective: rank 0 scans (refuse_pickled_code) and every rank raises its verdict,
+    so a job's ranks refuse together, before any of them reads a file, and a checkpoint
+    is scanned once, not once per rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        refuse_pickled_code(iteration_dir)
+        return
+    verdict = [None]
+    if dist.get_rank() == 0:
+        try:
+            refuse_pickled_code(iteration_dir)
+        except UntrustedCheckpointFile as e:
+            verdict = [(e.where, e.needs)]
+    dist.broadcast_object_list(verdict, src=0)  # rank 0's own strings: no file is unpickled here
+    if verdict[0] is not None:
+        raise UntrustedCheckpointFile(*verdict[0])
 
 
 def _load_mapped(file: Path) -> None:
@@ -232,7 +266,8 @@ def guard_process(trust: bool = False) -> None:
     call's own `weights_only=False` is overridden) and DCP's `FileSystemReader` reads
     `.metadata` through the restricted unpickler: Megatron-Core's and DeepSpeed's loaders
     then run no code from a checkpoint either (the calls in `CITED`). With `trust`, nothing
-    is hooked and the readers here read with full pickle too. Idempotent."""
+    is hooked and the readers here read with full pickle too. Commands call it first
+    (worker, converter, logits worker); library code relies on their choice. Idempotent."""
     global _PROCESS_TRUSTS
     _PROCESS_TRUSTS = trust
     os.environ[TRUST_ENV] = "1" if trust else "0"

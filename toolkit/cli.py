@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -181,6 +182,7 @@ def run_locally(cfg, layout, job_dir) -> int:
         run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags(), name_suffix=sweep.run_name_suffix())
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
         print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
+    started = time.time()
     code, stopped_by = run_local(cfg, job_dir, env)
     stopped_by = stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
     # A negative code: the agent itself was killed by that signal.
@@ -190,7 +192,7 @@ def run_locally(cfg, layout, job_dir) -> int:
 
         try:
             tracking.close_run(cfg, run_id, status, job_dir=job_dir, error=None if code == 0 else
-                               hang_summary(job_dir) or f"the agent exited with code {code}")
+                               hang_summary(job_dir, since=started) or f"the agent exited with code {code}")
             print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
         except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
             print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))

@@ -31,12 +31,14 @@ def checkpoint_bytes(cfg) -> int:
     return int(n * (weights + masters + 8) * 1.25)
 
 
-def saves_kept(cfg) -> int:
-    """How many checkpoints of this run are on disk at once, at most (one more is being
-    written while the oldest kept one waits for the new one to be published)."""
+def saves_kept(cfg, first_step: int = 0) -> int:
+    """How many checkpoints this run adds to its file system at the most, from
+    `first_step` on (a resume): with `keep_last`, the kept ones plus the one being written
+    before the oldest is removed."""
     ck, steps = cfg.checkpoint, cfg.train.steps
-    saves = steps // ck.save_interval + (steps % ck.save_interval != 0) if ck.save_interval else 1
-    return min(saves, ck.keep_last + 1) if ck.keep_last else saves
+    every = ck.save_interval or steps
+    due = {s for s in range(every, steps + 1, every) if s > first_step} | ({steps} if steps > first_step else set())
+    return min(len(due), ck.keep_last + 1) if ck.keep_last else len(due)
 
 
 def free_bytes(path: str | os.PathLike) -> int:
@@ -47,16 +49,20 @@ def free_bytes(path: str | os.PathLike) -> int:
     return shutil.disk_usage(path).free
 
 
-def space_problem(cfg) -> str | None:
-    """Why `checkpoint.save` cannot hold this run's checkpoints, or None."""
+def space_problem(cfg, first_step: int = 0, already_kept: int = 0) -> str | None:
+    """Why `checkpoint.save` cannot hold this run's checkpoints, or None. A resume passes
+    its `first_step` and how many checkpoints the save root holds that retention counts."""
     root = cfg.checkpoint.save
-    need = checkpoint_bytes(cfg) * saves_kept(cfg)
+    count = saves_kept(cfg, first_step)
+    if cfg.checkpoint.keep_last:
+        count = max(min(count, 1), count - already_kept)
+    need = checkpoint_bytes(cfg) * count
     free = free_bytes(root)
     if free >= need:
         return None
-    return (f"checkpoint.save={root} has {size_text(free)} free, but this run keeps up to {saves_kept(cfg)} "
-            f"checkpoint(s) of about {size_text(checkpoint_bytes(cfg))} there ({size_text(need)}). Fix: free "
-            "space, save elsewhere, save less often (checkpoint.save_interval) or keep fewer (checkpoint.keep_last=N).")
+    return (f"checkpoint.save={root} has {size_text(free)} free, but this run adds up to {count} checkpoint(s) "
+            f"of about {size_text(checkpoint_bytes(cfg))} there ({size_text(need)}). Fix: free space, save "
+            "elsewhere, save less often (checkpoint.save_interval) or keep fewer (checkpoint.keep_last=N).")
 
 
 class DiskFull(OSError):
@@ -71,13 +77,16 @@ def no_space_message(root: str | os.PathLike, needed: int) -> str:
 
 def is_disk_full(error: BaseException, root: str | os.PathLike, needed: int) -> bool:
     """Whether a failed save ran out of space: an ENOSPC or EDQUOT anywhere in the error's
-    chain, or a file system left with less than a checkpoint's size (torch's zip writer
-    reports a full disk as 'unexpected pos N vs M', with no errno)."""
-    seen = error
+    chain, or torch's zip writer's 'unexpected pos' (how it reports a write cut short by a
+    full disk, with no errno) on a file system left with less than a checkpoint's size."""
+    seen, texts = error, []
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        texts.append(str(seen))
         seen = seen.__cause__ or seen.__context__
+    if not any("unexpected pos" in t or "No space left" in t for t in texts):
+        return False
     try:
         return free_bytes(root) < needed
     except OSError:

@@ -1,6 +1,6 @@
 """Each rank's sign of life, in the job directory: what a node's agent watches for hangs.
 
-A rank writes `heartbeats/rank_NNNNN.json` (atomically) as it moves between phases
+A rank writes `heartbeats/<its agent's token>/rank_NNNNN.json` (atomically) as it moves between phases
 (starting, training, evaluating, saving, finishing) and after its steps, at most once a second:
 its step, the time, and the median of its recent step times. It also arms faulthandler
 so that SIGUSR1 dumps every thread's Python stack into `stacks/rank_NNNNN.txt` without
@@ -27,8 +27,10 @@ _RECENT = 8  # step times the median is taken over
 _EVERY_S = 1.0  # the most often a rank writes while training
 
 
-def heartbeat_file(job_dir: Path, rank: int) -> Path:
-    return Path(job_dir) / HEARTBEAT_DIR / f"rank_{rank:05d}.json"
+def heartbeat_file(job_dir: Path, rank: int, token: str | None) -> Path:
+    """One folder per node agent (its run token): an agent reads its own ranks' files only,
+    not every node's on a shared file system."""
+    return Path(job_dir) / HEARTBEAT_DIR / (token or "local")[:12] / f"rank_{rank:05d}.json"
 
 
 def stacks_file(job_dir: Path, rank: int) -> Path:
@@ -39,7 +41,7 @@ class Heartbeat:
     """One rank's heartbeat file, and its stack dump on SIGUSR1."""
 
     def __init__(self, job_dir: Path, rank: int, token: str | None):
-        self.path = heartbeat_file(job_dir, rank)
+        self.path = heartbeat_file(job_dir, rank, token)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "token": token,
                        "phase": "starting", "step": None, "recent_step_s": None, "time": time.time()}
@@ -79,10 +81,11 @@ class _NoProgress:
 NO_PROGRESS = _NoProgress()
 
 
-def read_heartbeats(job_dir: Path) -> dict[int, dict]:
-    """Every rank's last heartbeat (a file caught mid-replace is skipped: the next poll has it)."""
+def read_heartbeats(job_dir: Path, token: str | None) -> dict[int, dict]:
+    """The last heartbeat of each rank of one node agent (a file caught mid-replace is
+    skipped: the next poll has it)."""
     out = {}
-    for file in sorted((Path(job_dir) / HEARTBEAT_DIR).glob("rank_*.json")):
+    for file in sorted(heartbeat_file(job_dir, 0, token).parent.glob("rank_*.json")):
         try:
             rec = json.loads(file.read_text())
         except (OSError, ValueError):

@@ -53,6 +53,10 @@ class ProfileWindow:
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=False)
         self.profiler.start()
 
+    def writes_after(self, step: int) -> bool:
+        """Whether after_step(step) writes the trace (it ends the window)."""
+        return self.profiler is not None and step == self.last - 1
+
     def after_step(self, step: int, step_time_s: float) -> None:
         if self.profiler is None:
             return

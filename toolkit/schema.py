@@ -238,9 +238,9 @@ class WatchdogConfig:
     min_stall_s: float = 60.0
     # The bound while starting (build, compile, checkpoint load), saving or finishing.
     phase_timeout_s: float = 1800.0
-    # torch.distributed's timeout for every collective; None: 600 s on NCCL, 900 s on gloo
-    # (a CPU rank may compile for minutes while its peers wait). torch's own defaults are
-    # 10 and 30 minutes.
+    # torch.distributed's timeout for every collective (NCCL and gloo, Megatron-Core's groups
+    # too); None: phase_timeout_s, so that no save, load or compile the watchdog allows is
+    # cut (torch's own defaults: 10 minutes on NCCL, 30 on gloo).
     collective_timeout_s: Optional[float] = None
 
 

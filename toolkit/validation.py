@@ -626,7 +626,7 @@ def check_checkpoint(cfg) -> list[str]:
         if problem:
             out.append(f"checkpoint.save={ck.save} cannot be written: {problem}.")
         elif ck.keep_last >= 0 and ck.save_interval >= 0:
-            problem = space_problem(cfg)
+            problem = space_problem(cfg, *_resume_point(cfg))
             if problem:
                 out.append(problem)
     if ck.save and (Path(ck.save) / LATEST).exists():
@@ -640,6 +640,24 @@ def check_checkpoint(cfg) -> list[str]:
                 "mix runs. Fix: resume with checkpoint.load set to the same directory, or save elsewhere."
             )
     return out
+
+
+def _resume_point(cfg) -> tuple[int, int]:
+    """(the step a run resumes after, how many checkpoints its save root holds): a resume
+    adds only the saves still to come, and retention counts those already there."""
+    from pathlib import Path
+
+    from .checkpoint_dir import CheckpointError, holds_checkpoints, iterations, latest_checkpoint, step_of
+
+    ck = cfg.checkpoint
+    held = len(iterations(ck.save)) if Path(ck.save).is_dir() else 0
+    try:
+        if ck.load and not ck.weights_only and holds_checkpoints(ck.load):
+            latest = latest_checkpoint(ck.load)
+            return (step_of(latest) if latest else 0), held
+    except CheckpointError:
+        pass  # reported by the checkpoint checks
+    return 0, held
 
 
 def check_launcher(cfg, for_launch: bool) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoint_dir import LATEST, iteration_name, iterations
+from ..checkpoint_dir import LATEST, iteration_name, iterations, step_of
 from ..disk_space import DiskFull, is_disk_full, no_space_message
 
 
@@ -52,10 +52,12 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
 
 
 def remove_older(root: Path, keep_last: int) -> list[Path]:
-    """Remove complete checkpoints older than the newest `keep_last`. `latest` names the
-    newest (just published), and `.partial` directories do not match: neither is touched."""
+    """Keep the checkpoint `latest` names (just published) and the newest `keep_last - 1`
+    before it; remove the older ones. Checkpoints of later steps than `latest` (left by a
+    run that was rolled back) are not counted and not touched, nor is a `.partial`."""
     kept = (root / LATEST).read_text().strip()
-    gone = [p for p in iterations(root)[:-keep_last] if p.name != kept]
+    before = [p for p in iterations(root) if step_of(p) < step_of(kept)]
+    gone = before[: max(0, len(before) - (keep_last - 1))]
     for path in gone:
         shutil.rmtree(path)
     return gone

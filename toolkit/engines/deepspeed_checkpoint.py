@@ -44,7 +44,7 @@ from ..checkpoint_dir import (
     model_differences,
     read_common,
 )
-from ..checkpoint_trust import guarded_module_command, load_torch_file, refuse_pickled_code
+from ..checkpoint_trust import guarded_module_command, load_torch_file, refuse_pickled_code_on_every_rank
 from ..logits_digest import digest, sample_tokens
 from ..disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
@@ -165,7 +165,7 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback:
     if engine_of(path) != "deepspeed":
         raise CheckpointError(f"{path} was written by the Megatron engine; engine=deepspeed resumes only its own "
                               "checkpoints (convert it to a Hugging Face folder to start from its weights).")
-    refuse_pickled_code(path)  # before DeepSpeed's readers touch a file
+    refuse_pickled_code_on_every_rank(path)  # before an upstream reader touches a file
     common = read_common(path)
     cfg = trainer.cfg
     diffs = model_differences(common["model_config"], cfg.model)

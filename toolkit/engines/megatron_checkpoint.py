@@ -24,7 +24,7 @@ from ..checkpoint_dir import (
     iteration_name,
     model_differences,
 )
-from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code
+from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code_on_every_rank
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
 from ..disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
@@ -38,9 +38,12 @@ def _layout_signature(layout) -> dict:
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
 
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # numpy's state as torch and Python values: a checkpoint holds no numpy objects, whose
+        # unpickling (dtype.__setstate__) a crafted file could abuse (gridwright.checkpoint_trust).
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -53,7 +56,8 @@ def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -145,7 +149,7 @@ def load_model_weights(chunks: list, checkpoint_dir: str | os.PathLike) -> None:
     """Load model weights only into bare GPTModel chunks (converted checkpoints, evaluation)."""
     from megatron.core import dist_checkpointing
 
-    refuse_pickled_code(checkpoint_dir)
+    refuse_pickled_code_on_every_rank(checkpoint_dir)
     state = model_weights_state(chunks, checkpoint_dir)
     loaded = dist_checkpointing.load(state, str(checkpoint_dir))
     for i, chunk in enumerate(chunks):
@@ -192,7 +196,7 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback:
     if engine_of(path) != "megatron":
         raise CheckpointError(f"{path} was written by the DeepSpeed engine; convert it (python -m "
                               "gridwright.adapters.convert deepspeed-to-megatron) to load it here.")
-    refuse_pickled_code(path)  # before Megatron-Core's readers touch a file
+    refuse_pickled_code_on_every_rank(path)  # before an upstream reader touches a file
     common = dist_checkpointing.load_common_state_dict(str(path))["common"]
     recorded = common.get("model_config")
     if recorded:  # shape, not name, decides (a converted model may be renamed)

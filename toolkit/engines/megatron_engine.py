@@ -279,7 +279,12 @@ def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=No
             window.before_step(step)
             metrics = timed_step(trainer.train_step, step, on_cuda=not on_cpu)
             progress.step_done(step, metrics["step_time_s"])
+            writes_trace = window.writes_after(step)
+            if writes_trace:  # a large trace takes minutes to write
+                progress.phase("profiling")
             window.after_step(step, metrics["step_time_s"])
+            if writes_trace:
+                progress.phase("training")
             done = step + 1
             every = cfg.data.eval_interval
             if every and (done % every == 0 or done == cfg.train.steps):

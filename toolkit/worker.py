@@ -32,6 +32,8 @@ from .process_tree import TOKEN_ENV, die_with_parent, end_descendants
 from .step_metrics import StepMetrics, read_memory_records
 
 EXIT_REFUSED = 2  # a worker refused its input (the agent then exits 2 too)
+# How gloo and NCCL report a collective whose peer process has ended.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
 # gridwright's placement names -> Megatron-Core's group getters in observed_coordinates().
 CHECKED_GROUPS = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
 
@@ -223,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     except DiskFull as e:  # said in full by the rank that met it
         print(f"error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:
+        if not any(sign in str(e) for sign in PEER_GONE):
+            raise
+        # A peer ended first (its own error is the one to read): one line, not a second traceback.
+        print(f"error: rank {os.environ.get('RANK', '0')}: stopped because another rank ended first "
+              f"({str(e).strip().splitlines()[0][:200]})", file=sys.stderr, flush=True)
         return 1
     finally:
         end_descendants()

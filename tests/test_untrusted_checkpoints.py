@@ -31,6 +31,7 @@ from gridwright.checkpoint_trust import (
     load_torch_file,
     read_dcp_metadata,
 )
+from gridwright.loopback import free_port
 
 
 def run(args: list[str], cwd: Path, timeout=300) -> subprocess.CompletedProcess:
@@ -96,7 +97,7 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
     # The workers' own load (a torchrun job: no pre-start check on the launching machine).
     job = tmp_path / "torchrun_job"
     planned = launch(tmp_path, *engine, "train.steps=4", f"checkpoint.load={ck}", "launcher=torchrun",
-                     "launcher.master_addr=127.0.0.1", f"job_dir={job}")
+                     "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}", f"job_dir={job}")
     assert planned.returncode == 0, planned.stderr[-2000:]
     line = (job / "torchrun_commands.sh").read_text().strip().splitlines()[-1]
     refused_in_one_line(run(["bash", "-c", line], tmp_path), planted)

@@ -134,8 +134,8 @@ def iterations(root: str | os.PathLike) -> list[Path]:
 
 def newest_intact(root: str | os.PathLike, besides: Path, trust: bool | None = None) -> Path | None:
     """The newest complete, undamaged checkpoint under `root` other than `besides`."""
-    found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name) and p != besides]
-    return next((p for p in sorted(found, key=step_of, reverse=True) if damage(p, trust) is None), None)
+    found = [p for p in reversed(iterations(root)) if p != besides]
+    return next((p for p in found if damage(p, trust) is None), None)
 
 
 def checkpoint_to_load(root: str | os.PathLike, fallback: bool = False, trust: bool | None = None) -> Path | None:

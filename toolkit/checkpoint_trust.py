@@ -65,14 +65,10 @@ class UntrustedCheckpointFile(RuntimeError):
             f"checkpoint or trust its source, set {TRUST_KEY}=true (convert: {TRUST_FLAG}).")
 
 
-def _torch_allowlist() -> list:
-    """What gridwright's checkpoints hold beyond torch's default weights-only set: nothing
-    by default. numpy is deliberately absent: `dtype.__setstate__` takes field layouts from
-    the file, which can make an array read file bytes as object pointers (a reviewer's
-    crafted common.pt crashed a worker that way), so RNG states are saved without numpy."""
-    return []
-
-
+# torch's default weights-only set covers gridwright's own checkpoints. numpy is
+# deliberately absent: `dtype.__setstate__` takes field layouts from the file, which can
+# make an array read file bytes as object pointers (a reviewer's crafted common.pt crashed
+# a worker that way), so RNG states are saved without numpy.
 # DeepSpeed's optimizer states hold these objects. Importing DeepSpeed takes seconds and
 # prints, so they are added only when a file names one of them.
 _DEEPSPEED_GLOBALS = {"deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
@@ -112,24 +108,29 @@ def load_torch_file(source, *, trust: bool | None = None, map_location="cpu", **
     """`torch.load` of a checkpoint file (a path or a file object) that runs no code
     unless trusted (`trust`, else this process's policy): weights only, with gridwright's
     allowlist."""
-    import torch
-
     load = _real_torch_load()
     if _trusted(trust):
         return load(source, map_location=map_location, weights_only=False, **kwargs)
-    allowed = _torch_allowlist()
-    while True:
-        with torch.serialization.safe_globals(allowed):
-            try:
-                return load(source, map_location=map_location, weights_only=True, **kwargs)
-            except pickle.UnpicklingError as e:
-                found = re.search(r"GLOBAL ([\w.]+)", str(e))
-                named = found.group(1) if found else "a pickle instruction torch's weights-only reader refuses"
-        if named not in _DEEPSPEED_GLOBALS or len(allowed) > len(_torch_allowlist()):
-            raise UntrustedCheckpointFile(_describe(source), named)
-        allowed += _deepspeed_allowlist()
-        if hasattr(source, "seek"):
-            source.seek(0)
+    try:
+        return _load_weights_only(load, source, [], map_location, kwargs)
+    except UntrustedCheckpointFile as e:
+        if e.needs not in _DEEPSPEED_GLOBALS:
+            raise
+    if hasattr(source, "seek"):
+        source.seek(0)
+    return _load_weights_only(load, source, _deepspeed_allowlist(), map_location, kwargs)
+
+
+def _load_weights_only(load, source, allowed: list, map_location, kwargs):
+    import torch
+
+    with torch.serialization.safe_globals(allowed):
+        try:
+            return load(source, map_location=map_location, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            named = found.group(1) if found else "a pickle instruction torch's weights-only reader refuses"
+    raise UntrustedCheckpointFile(_describe(source), named)
 
 
 # The dtypes a tensor's properties may name (looked up by name, never through torch's

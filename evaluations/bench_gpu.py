@@ -126,7 +126,7 @@ def write_same_weights(jobs: Path, experiment: list[str] = BENCH_2GPU) -> dict[s
     import transformers
 
     from gridwright.compose import compose_config
-    from gridwright.engines.deepspeed_engine import hf_config, initialise_as_megatron
+    from gridwright.engines.hf_model import hf_config, initialise_as_megatron
     from gridwright.layout import ParallelLayout
 
     cfg = compose_config(experiment)

@@ -26,49 +26,10 @@ from ..data_source import SyntheticSource
 from ..layout import ParallelLayout
 from ..heartbeat import NO_PROGRESS
 from ..step_metrics import timed_step, write_memory_record
+from .deepspeed_config import deepspeed_config
+from .hf_model import hf_config, initialise_as_megatron, load_balancing_loss, load_hf_model
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
 from .timeouts import collective_timeout
-
-
-def hf_config(model):
-    """The transformers config of the same shape as gridwright's ModelConfig (the same one
-    checkpoint export writes)."""
-    from omegaconf import OmegaConf
-
-    from ..families.hf_config import transformers_config
-
-    return transformers_config(OmegaConf.to_container(model, resolve=True))
-
-
-def deepspeed_config(cfg, layout: ParallelLayout, load_universal: bool = False) -> dict:
-    """DeepSpeed's JSON config for this experiment; `load_universal` when it resumes a
-    checkpoint saved at another data-parallel size (deepspeed_checkpoint)."""
-    t, z, p = cfg.train, cfg.zero, cfg.precision
-    zero = {"stage": z.stage, "overlap_comm": cfg.cluster.device == "cuda"}
-    if z.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.cluster.device == "cuda"}
-    if z.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": cfg.cluster.device == "cuda"}
-    out = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.global_batch_size // (t.micro_batch_size * layout.dp),
-        "train_batch_size": t.global_batch_size,
-        "zero_optimization": zero,
-        "bf16": {"enabled": p.params_dtype == "bf16"},
-        "fp16": {"enabled": p.params_dtype == "fp16", "initial_scale_power": 16},
-        "gradient_clipping": t.grad_clip,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if load_universal:
-        out["checkpoint"] = {"load_universal": True}
-    if z.offload_optimizer:
-        # ZeRO-Offload refuses a client (torch) optimizer; DeepSpeed's own CPU Adam is used,
-        # with the Megatron engine's settings (the parameter groups carry weight decay).
-        opt = optimizer_config(cfg)
-        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": [opt.adam_beta1, opt.adam_beta2],
-                                                         "eps": opt.adam_eps, "weight_decay": t.weight_decay}}
-    return out
 
 
 def extensions_to_build(cfg) -> list[str]:
@@ -150,25 +111,6 @@ class DeepSpeedTrainer:
         return {"rank": r, "tp": 0, "pp": 0, "dp": dp.index(r), "cp": 0, "ep": 0, "etp": 0, "edp": dp.index(r),
                 "groups": groups}
 
-    def _load_balancing_loss(self, out) -> torch.Tensor:
-        """Megatron-Core's switch load-balancing loss, layer by layer, from the router logits
-        transformers returns (its own `aux_loss` pools all layers before the product, a
-        different loss); Megatron-Core's functions compute it, with the model's coefficient."""
-        from megatron.core.transformer.moe.moe_utils import (
-            compute_routing_scores_for_aux_loss,
-            switch_load_balancing_loss_func,
-        )
-
-        m = self.cfg.model
-        total = 0.0
-        for logits in out.router_logits:
-            logits = logits.float().view(-1, m.num_experts)
-            routing_map, scores = compute_routing_scores_for_aux_loss(logits, m.moe_router_topk, "softmax")
-            total = total + switch_load_balancing_loss_func(
-                probs=scores, tokens_per_expert=routing_map.sum(dim=0), total_num_tokens=logits.shape[0],
-                topk=m.moe_router_topk, num_experts=m.num_experts, moe_aux_loss_coeff=m.moe_aux_loss_coeff)
-        return total
-
     def train_step(self, step: int) -> dict:
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         skipped_before = self.engine.skipped_steps
@@ -177,7 +119,7 @@ class DeepSpeedTrainer:
             out = self.engine(input_ids=batch["tokens"], **({"output_router_logits": True} if self.moe else {}))
             logits = out.logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
-            self.engine.backward(loss + self._load_balancing_loss(out) if self.moe else loss)
+            self.engine.backward(loss + load_balancing_loss(self.cfg.model, out.router_logits) if self.moe else loss)
             if self.cfg.zero.stage == 0 and self.engine.is_gradient_accumulation_boundary():
                 # Without ZeRO DeepSpeed clips but keeps no norm: take it from the reduced
                 # gradients before its step clips them (as the Megatron engine reports it).
@@ -196,47 +138,6 @@ class DeepSpeedTrainer:
         return {"loss": float(total.item()), "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "update_skipped": 1.0 if skipped else 0.0}
-
-
-# Hugging Face names of the layers Megatron-Core initialises with its output-layer method
-# (scaled by 1/sqrt(2 x layers)): the projections that write into the residual stream.
-_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "down_proj", "w2.weight")
-
-
-def initialise_as_megatron(model, cfg, layout) -> None:
-    """Re-draw the weights with Megatron-Core's own initialisation rules (from the
-    TransformerConfig the Megatron engine builds), so a default run of either engine starts
-    from the same distribution: transformers draws N(0, 0.02) for every matrix, Megatron
-    scales the residual-output projections down, and the curves differ for it."""
-    from megatron.core.transformer import TransformerConfig
-
-    from .megatron_model import transformer_config_kwargs
-
-    config = TransformerConfig(**transformer_config_kwargs(cfg, layout))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                torch.nn.init.ones_(param) if "norm" in name else torch.nn.init.zeros_(param)
-            elif "embed_tokens" in name:
-                config.embedding_init_method(param)
-            elif name.endswith(_RESIDUAL_OUTPUTS):
-                config.output_layer_init_method(param)
-            else:
-                config.init_method(param)
-
-
-def load_hf_model(hf_dir, config):
-    """The model of `config` with every weight from a Hugging Face folder. transformers
-    reads it (and renames legacy layouts such as Mixtral's per-expert tensors); anything
-    missing, unexpected or of another shape is an error, not a random initialisation."""
-    import transformers
-
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), config=config, dtype=torch.float32, output_loading_info=True)
-    wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if wrong:
-        raise ValueError(f"{hf_dir} does not hold this model's weights: {wrong}")
-    return model
 
 
 def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> None:

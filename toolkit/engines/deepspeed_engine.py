@@ -19,7 +19,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..checkpoint_dir import holds_checkpoints
 from ..data_source import SyntheticSource
@@ -27,7 +26,7 @@ from ..layout import ParallelLayout
 from ..heartbeat import NO_PROGRESS
 from ..step_metrics import timed_step, write_memory_record
 from .deepspeed_config import deepspeed_config
-from .hf_model import hf_config, initialise_as_megatron, load_balancing_loss, load_hf_model
+from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
 from .timeouts import collective_timeout
 
@@ -97,7 +96,6 @@ class DeepSpeedTrainer:
         )
         self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = ds_cfg["gradient_accumulation_steps"]
-        self.moe = cfg.model.num_experts > 0
         self.data = SyntheticSource(cfg)
         self.is_logging_rank = dist.get_rank() == 0
 
@@ -116,10 +114,8 @@ class DeepSpeedTrainer:
         skipped_before = self.engine.skipped_steps
         total, grad_norm = torch.zeros(1, device=self.device), None
         for batch in self.data.batches("train", step, dist.get_rank(), self.layout.dp, self.num_micro, self.device):
-            out = self.engine(input_ids=batch["tokens"], **({"output_router_logits": True} if self.moe else {}))
-            logits = out.logits
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
-            self.engine.backward(loss + load_balancing_loss(self.cfg.model, out.router_logits) if self.moe else loss)
+            loss, objective = causal_lm_loss(self.engine, batch, self.cfg.model)
+            self.engine.backward(objective)
             if self.cfg.zero.stage == 0 and self.engine.is_gradient_accumulation_boundary():
                 # Without ZeRO DeepSpeed clips but keeps no norm: take it from the reduced
                 # gradients before its step clips them (as the Megatron engine reports it).

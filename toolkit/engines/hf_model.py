@@ -4,6 +4,7 @@ load-balancing loss for mixtures of experts."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def hf_config(model):
@@ -74,3 +75,14 @@ def load_balancing_loss(m, router_logits) -> torch.Tensor:
             probs=scores, tokens_per_expert=routing_map.sum(dim=0), total_num_tokens=logits.shape[0],
             topk=m.moe_router_topk, num_experts=m.num_experts, moe_aux_loss_coeff=m.moe_aux_loss_coeff)
     return total
+
+
+def causal_lm_loss(model, batch, m) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the language-model loss to report, the objective to differentiate) of one
+    micro-batch: the mean next-token cross-entropy over the batch, as the Megatron engine
+    reports it, plus Megatron-Core's load-balancing loss for a mixture of experts."""
+    moe = m.num_experts > 0
+    out = model(input_ids=batch["tokens"], **({"output_router_logits": True} if moe else {}))
+    logits = out.logits
+    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
+    return loss, (loss + load_balancing_loss(m, out.router_logits) if moe else loss)

@@ -4,7 +4,8 @@ The DeepSpeed engine trains a Hugging Face model, so its weights already carry H
 Face names; what a conversion has to do is gather them. Under ZeRO 1-3 the fp32 weights
 live in each data-parallel rank's optimizer partition, and DeepSpeed's own
 `zero_to_fp32` reassembles them (used rather than re-deriving its partition layout).
-Without ZeRO the module's state in `mp_rank_00_model_states.pt` is the whole model.
+Without ZeRO the module's state in `mp_rank_00_model_states.pt` is the whole model. Both
+are DeepSpeed's file layout, read in `deepspeed_internals.checkpoint_files`.
 """
 from __future__ import annotations
 
@@ -46,11 +47,7 @@ def read_manifest(iteration: Path) -> dict:
 def consolidated_weights(iteration: Path) -> dict[str, torch.Tensor]:
     """Every weight of the model saved in `iteration`, whole, by Hugging Face name (fp32
     master weights where the optimizer keeps them)."""
-    refuse_pickled_code(iteration)  # before DeepSpeed's own readers touch a file
-    files = read_manifest(iteration)["files"]
-    if any(name.endswith("optim_states.pt") for name in files):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from ..deepspeed_internals.checkpoint_files import whole_model  # refuses an untested DeepSpeed
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(iteration.parent), tag=iteration.name))
-    state = load_torch_file(iteration / "mp_rank_00_model_states.pt")
-    return dict(state["module"])
+    refuse_pickled_code(iteration)  # before DeepSpeed's own readers touch a file
+    return whole_model(iteration, read_manifest(iteration)["files"], load_torch_file)

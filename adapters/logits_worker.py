@@ -57,7 +57,7 @@ def main() -> None:
     from ..engines.megatron_checkpoint import load_model_weights
     from .verify_logits import ROUNDING, round_weights
     from ..megatron_internals.cpu_compat import cpu_compat
-    from ..engines.megatron_engine import init_parallel
+    from ..engines.megatron_groups import init_parallel
     from ..megatron_internals.fixes import apply_megatron_fixes
     from ..engines.megatron_model import build_model_chunks, transformer_config_kwargs
     from ..layout import ParallelLayout

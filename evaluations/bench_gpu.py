@@ -1,6 +1,6 @@
 """Training throughput, MFU, exposed communication and memory on the local GPU(s).
 
-    python -m gridwright.evaluations.bench_gpu [--suite performance|engines|all] [--only NAME ...]
+    python -m gridwright.evaluations.bench_gpu [--suite performance|engines|zero_speed|all] [--only NAME ...]
         [--one-gpu-cases-side-by-side]
 
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
@@ -31,13 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gridwright.evaluations.results_file import stamp_now, write_markdown
+from gridwright.evaluations.same_weights import write_same_weights
 from gridwright.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
 COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=3"]
-# The performance suite traces two steps of each case (exposed communication per group);
-# the engines suite does not (DeepSpeed runs no profiling window).
+# Both suites trace two steps of each case (exposed communication per group), on either engine.
 TRACED = ["evaluate.profile_steps=[10,12]"]
 FAST = ["engine.compile_layers=true"]
 TP_FAST = FAST + ["engine.tp_comm_overlap=true"]
@@ -74,7 +74,9 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
     "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
 }.items()}
-ENGINES = {
+ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "bench_1b_dp2_distopt": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",
+                                              "engine.overlap_param_gather=true"]),
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
     # The same model under DeepSpeed (issue 11): a Hugging Face Llama drawn by Megatron-Core's
     # init rules for ZeRO 1-3 and offload; Megatron-Core's GPTModel (the very weights of the
@@ -105,8 +107,27 @@ ENGINES = {
     "llama3_8b_16l_dp4": (4, LLAMA3_8B + ["cluster=h100_x4", "model.num_layers=16", "train.global_batch_size=16",
                                           "engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true",
                                           "name=llama3_8b_16l_dp4"]),
-}
-SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "all": {**PERFORMANCE, **ENGINES}}
+}.items()}
+# Where ZeRO's time goes: the same cases with one setting changed (ZERO_SPEED suite).
+# DeepSpeed's own bucket defaults (deepspeed/runtime/zero/config.py), written out.
+DS_BUCKETS = ["zero.reduce_bucket_size=500000000"]
+DS_BUCKETS_Z3 = DS_BUCKETS + ["zero.stage3_prefetch_bucket_size=50000000", "zero.stage3_param_persistence_threshold=100000"]
+DS = ["engine=deepspeed"]
+# Where ZeRO's time goes: the same cases with one setting changed (zero_speed suite).
+ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "bench_1b_ds_zero3_one_queue": (2, BENCH_2GPU + DS + ["zero=stage3", "engine.cuda_device_max_connections=1"]),
+    "bench_1b_ds_zero3_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage3"] + DS_BUCKETS_Z3),
+    "bench_1b_ds_zero3_leaf_layers": (2, BENCH_2GPU + DS + ["zero=stage3", "zero.stage3_leaf_layers=true"] + DS_BUCKETS_Z3),
+    "bench_1b_ds_zero1_one_queue": (2, BENCH_2GPU + DS + ["zero=stage1", "engine.cuda_device_max_connections=1"]),
+    "bench_1b_ds_zero1_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1"] + DS_BUCKETS),
+    "bench_1b_ds_zero1_compiled": (2, BENCH_2GPU + DS + ["zero=stage1", "engine.compile_layers=true"] + DS_BUCKETS),
+    "bench_1b_ds_zero2_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage2"] + DS_BUCKETS),
+    "bench_1b_tp2_sp_distopt": (2, BENCH_2GPU + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]),
+    "bench_1b_ds_zero1_tp2_sp_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]
+                                                   + DS_BUCKETS),
+}.items()}
+SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED},
+          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED}}
 
 
 def device_overrides() -> list[str]:
@@ -116,31 +137,6 @@ def device_overrides() -> list[str]:
     props = torch.cuda.get_device_properties(0)
     return [f"cluster.gpu.name={props.name.replace(' ', '_')}",
             f"cluster.gpu.memory_gib={props.total_memory / 2**30:.1f}"]
-
-
-def write_same_weights(jobs: Path, experiment: list[str] = BENCH_2GPU) -> dict[str, Path]:
-    """One draw of the bench model by Megatron-Core's initialisation rules, saved as a
-    Hugging Face folder and converted (verified) to a Megatron-Core checkpoint, so that every
-    engine starts from the very same weights: {"hf": folder, "megatron": checkpoint}."""
-    import torch
-    import transformers
-
-    from gridwright.compose import compose_config
-    from gridwright.engines.hf_model import hf_config, initialise_as_megatron
-    from gridwright.layout import ParallelLayout
-
-    cfg = compose_config(experiment)
-    hf, megatron = jobs / "same_weights_hf", jobs / "same_weights_megatron"
-    if hf.is_dir() and megatron.is_dir():  # an earlier invocation with the same --jobs drew them
-        print(f"same weights: reusing {hf} and {megatron}", flush=True)
-        return {"hf": hf, "megatron": megatron}
-    torch.manual_seed(cfg.train.seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
-    initialise_as_megatron(model, cfg, ParallelLayout.from_config(cfg))
-    model.save_pretrained(hf)
-    subprocess.run([sys.executable, "-m", "gridwright.adapters.convert", "hf-to-megatron", "--hf", str(hf),
-                    "--out", str(megatron), "--name", cfg.model.name, "--verify"], check=True)
-    return {"hf": hf, "megatron": megatron}
 
 
 def start_from(overrides: list[str], weights: dict[str, Path] | None) -> list[str]:
@@ -282,7 +278,7 @@ def main() -> None:
     n = torch.cuda.device_count()
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    weights = write_same_weights(jobs) if args.same_weights else None
+    weights = write_same_weights(jobs, BENCH_2GPU) if args.same_weights else None
     rows, stamp = [], stamp_now()
     cases = []
     for name, (gpus, overrides) in SUITES[args.suite].items():

@@ -37,32 +37,38 @@ def estimate_now(job: Path) -> float:
 def tables(sweep_dir: Path) -> str:
     record = SweepRecord.load(sweep_dir)
     head = [
-        "| point | layout | tokens/s/GPU (untraced steps) | MFU megatron | MFU palm | HFU | step ms (untraced) | traced step ms | compute ms | exposed comm ms | idle ms | overlap % | peak alloc GiB (rank) | estimate at run time | estimate now |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| point | engine | layout | tokens/s/GPU (untraced steps) | MFU megatron | MFU palm | HFU | step ms (untraced) | traced step ms | compute ms | exposed comm ms | idle ms | host wait ms | overlap % | peak alloc GiB (rank) | estimate at run time | estimate now |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     comm_rows = [
         "| point | group | predicted ms | measured ms | wait (skew) ms | transfer ms | predicted / transfer | exposed ms | MB/step measured | MB/step predicted |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    kind_rows = ["| point | kind | measured ms | wait (skew) ms | exposed ms | calls/step | MB/step |",
+                 "| --- | --- | --- | --- | --- | --- | --- |"]
     for point in record.points:
         job = record.job_dir_of(point, sweep_dir)
         if job is None:  # an invalid point has no job directory
-            head.append(f"| {point['num']} | {point.get('status')} | | | | | | | | | | | | | |")
+            head.append(f"| {point['num']} | {point.get('status')} | | | | | | | | | | | | | | | |")
             continue
         s = read_json(job / SUMMARY_FILE)
         c, plan = read_json(job / COMMUNICATION_FILE), read_json(job / PLAN_FILE)
         name = job.name
         if not s:
-            head.append(f"| {name} | {point.get('status')} | | | | | | | | | | | | | |")
+            head.append(f"| {name} | {point.get('status')} | | | | | | | | | | | | | | | |")
             continue
         m = c.get("mean", {})
         ms = lambda v: f"{v * 1e3:.1f}" if v is not None else ""  # noqa: E731
         head.append(
-            f"| {name} | {plan.get('layout', {}).get('slug', '')} | {s['tokens_per_s_per_gpu']:,.0f} | {s.get('mfu', 0):.1%} | "
+            f"| {name} | {engine_label(job)} | {plan.get('layout', {}).get('slug', '')} | {s['tokens_per_s_per_gpu']:,.0f} | {s.get('mfu', 0):.1%} | "
             f"{s.get('mfu_palm', 0):.1%} | {s.get('hfu', 0):.1%} | {s['mean_step_time_s'] * 1e3:.1f} | {ms(m.get('step_s'))} | {ms(m.get('compute_s'))} | "
-            f"{ms(m.get('exposed_comm_s'))} | {ms(m.get('idle_s'))} | {m.get('overlap_pct', 0):.1f} | "
+            f"{ms(m.get('exposed_comm_s'))} | {ms(m.get('idle_s'))} | {ms(m.get('host_wait_s'))} | "
+            f"{m.get('overlap_pct', 0):.1f} | "
             f"{s.get('memory_peak_gib', 0):.2f} ({s.get('memory_peak_rank', '')}) | "
             f"{s.get('memory_estimate_allocated_gib', 0):.2f} | {estimate_now(job):.2f} |")
+        for kind, k in sorted(m.get("by_kind", {}).items()):
+            kind_rows.append(f"| {name} | {kind} | {ms(k.get('comm_s'))} | {ms(k.get('wait_s'))} | {ms(k.get('exposed_s'))} | "
+                             f"{k.get('calls', 0):.0f} | {k.get('bytes', 0) / 1e6:,.0f} |")
         predicted = c.get("predicted") or {}
         for group in sorted(set(m.get("by_group", {})) | set(predicted)):
             g = m.get("by_group", {}).get(group, {})
@@ -77,7 +83,19 @@ def tables(sweep_dir: Path) -> str:
     note = ("Memory: the allocator's peak (max over ranks; the rank in brackets) against the "
             "estimate without its fixed 3 GiB workspace (CUDA context, NCCL buffers, fragmentation "
             "are outside the allocator's count), as planned when the sweep ran and by the current code.")
-    return "\n".join(["## Points", "", *head, "", note, "", "## Communication per group (mean step, mean over ranks)", "", *comm_rows])
+    cards = sorted({f"{c.cluster.nodes * c.cluster.gpus_per_node} x {c.cluster.gpu.name}" for c in (
+        load_job_config(j) for j in (record.job_dir_of(pt, sweep_dir) for pt in record.points) if j is not None)})
+    return "\n".join([f"GPU: {', '.join(cards) or 'none ran'} (as each job's config names the card)", "",
+                      "## Points", "", *head, "", note, "", "## Communication per group (mean step, mean over ranks)", "",
+                      *comm_rows, "", "## Communication per kind (mean step, mean over ranks)", "", *kind_rows])
+
+
+def engine_label(job: Path) -> str:
+    """Which engine and ZeRO stage ran (with offload), as the job's config says."""
+    cfg = load_job_config(job)
+    z = cfg.zero
+    offload = "+offload" if z.offload_optimizer or z.offload_params else ""
+    return f"{cfg.engine.name} ZeRO-{z.stage}{offload}"
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ def worker_env(cfg) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if cfg.cluster.device == "cuda":
         env.update(NCCL_ENV)
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max_connections(cfg.engine))
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max_connections(cfg))
     else:  # DeepSpeed otherwise looks for an accelerator and warns that it found none
         env["DS_ACCELERATOR"] = "cpu"
         # One thread per rank: ranks share the cores, and oversubscribed threads made a
@@ -23,10 +23,11 @@ def worker_env(cfg) -> dict[str, str]:
     return env
 
 
-def max_connections(engine) -> int:
-    """Megatron-Core orders TP/SP communication before compute on one connection; the
-    symmetric-memory overlap (engine.tp_comm_overlap) needs its copy streams to run beside
-    compute, which one connection serialises."""
-    if engine.cuda_device_max_connections is not None:
-        return engine.cuda_device_max_connections
-    return 8 if engine.tp_comm_overlap else 1
+def max_connections(cfg) -> int:
+    """CUDA_DEVICE_MAX_CONNECTIONS (hardware queues per GPU): engine.cuda_device_max_connections,
+    else what the engine's rules ask for."""
+    from ..engines.registry import rules
+
+    if cfg.engine.cuda_device_max_connections is not None:
+        return cfg.engine.cuda_device_max_connections
+    return rules(cfg).cuda_device_max_connections(cfg)

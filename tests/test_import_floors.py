@@ -4,11 +4,15 @@ inside a function, and no modules import each other in a circle.
     floor 0  configuration and validation, and the plain helpers they use
              (gridwright.* top-level modules not named below, gridwright.families)
     floor 1  engines and adapters (gridwright.engines, gridwright.adapters,
-             gridwright.megatron_internals)
+             gridwright.megatron_internals), except each engine's torch-free rules,
+             which validation reads (floor 0); the DeepSpeed fence
+             (gridwright.deepspeed_internals) is floor 0: the checkpoint reader takes
+             its list of DeepSpeed's pickled classes from it
     floor 2  launchers and commands (gridwright.launchers, gridwright.evaluations, cli,
              __main__, worker, sweep, sync, tracking)
 """
 import ast
+import re
 import importlib
 import tomllib
 from pathlib import Path
@@ -19,6 +23,9 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Every installed package (gridwright.conf holds YAML only).
 PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
 FLOOR_1 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
+# Inside gridwright.engines, what validation and planning read without loading an engine.
+ENGINE_RULES = ("gridwright.engines.registry", "gridwright.engines.protocol", "gridwright.engines.megatron_rules",
+                "gridwright.engines.deepspeed_rules", "gridwright.engines.zero_settings")
 FLOOR_2 = ("gridwright.launchers", "gridwright.evaluations", "gridwright.cli", "gridwright.__main__",
            "gridwright.worker", "gridwright.sweep", "gridwright.sync", "gridwright.tracking")
 
@@ -27,7 +34,7 @@ def floor(module: str) -> int:
     def under(prefixes):
         return any(module == p or module.startswith(p + ".") for p in prefixes)
 
-    return 2 if under(FLOOR_2) else 1 if under(FLOOR_1) else 0
+    return 2 if under(FLOOR_2) else 0 if module in ENGINE_RULES else 1 if under(FLOOR_1) else 0
 
 
 def package_roots() -> dict[str, Path]:
@@ -138,3 +145,49 @@ def test_the_test_catches_an_upward_import(tmp_path):
     found = imports("gridwright.engines.probe", probe, GRAPH)
     assert found == {"gridwright.launchers.local", "gridwright.cli"}
     assert all(floor(t) > floor("gridwright.engines.probe") for t in found)
+
+
+def test_engine_rules_load_no_torch():
+    """Validation reads every engine's rules before anything starts: they must not pull in
+    torch, DeepSpeed or Megatron-Core (seconds of imports, and a broken install would break
+    planning)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib\n"
+            f"for m in {list(ENGINE_RULES)!r}: importlib.import_module(m)\n"
+            "print(sorted(k for k in ('torch', 'deepspeed', 'megatron') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# The one place that picks an engine by name; everything else asks the engine's rules.
+ENGINE_BRANCH = re.compile(r'engine\.name\s*(==|!=|in\b|not in\b)|== "deepspeed"|== "megatron"')
+PICKS_THE_ENGINE = {"gridwright.engines.registry"}
+
+
+def engine_branches(path: Path) -> list[str]:
+    """Lines of code (not comments or docstrings' prose) that branch on an engine's name."""
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split("#", 1)[0]
+        if ENGINE_BRANCH.search(code):
+            found.append(f"{path.name}:{number}: {line.strip()}")
+    return found
+
+
+def test_no_engine_branches_outside_the_engines():
+    """Engine policy lives with the engine (its rules module, its trainer): a branch on the
+    engine's name anywhere else is a rule in the wrong place."""
+    outside = {name: path for name, path in modules().items()
+               if not name.startswith("gridwright.engines") and name not in PICKS_THE_ENGINE}
+    found = [line for path in outside.values() for line in engine_branches(path)]
+    assert not found, "engine branches outside gridwright.engines:\n" + "\n".join(found)
+
+
+def test_the_branch_search_finds_a_branch(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('if cfg.engine.name == "deepspeed":\n    pass\nprint(f"engine {cfg.engine.name}")\n'
+                     'tags = {"engine": cfg.engine.name}\nok = cfg.engine.name in ENGINES\n')
+    assert engine_branches(probe) == ['probe.py:1: if cfg.engine.name == "deepspeed":',
+                                      'probe.py:5: ok = cfg.engine.name in ENGINES']

@@ -41,8 +41,12 @@ BROKEN = {
                                  ["engine=deepspeed over Megatron-Core TP saves no checkpoints"]),
     "tp_overlap_without_sp": (["parallel.tp=2", "engine.tp_comm_overlap=true"],
                               ["engine.tp_comm_overlap=true", "parallel.sp=true"]),
-    "compile_on_deepspeed": (["engine=deepspeed", "zero=stage1", "engine.compile_layers=true"],
-                             ["engine.compile_layers=true is wired for engine=megatron only"]),
+    "compile_on_deepspeed_zero3": (["engine=deepspeed", "zero=stage3", "engine.compile_layers=true"],
+                                   ["engine.compile_layers=true with zero.stage=3", "DeepCompile"]),
+    "tp_overlap_on_deepspeed": (["engine=deepspeed", "zero=stage1", "parallel.tp=2", "parallel.sp=true",
+                                 "engine.tp_comm_overlap=true"], ["DeepSpeed over TP trains Megatron-Core's own linears"]),
+    "te_fp8_on_deepspeed": (["engine=deepspeed", "zero=stage1", "precision=bf16", "precision.fp8_recipe=delayed"],
+                            ["through Transformer Engine needs Transformer Engine's layers"]),
     "compile_megatron_tp": (["parallel.tp=2", "engine.compile_layers=true"],
                             ["would compile Megatron-Core's tensor-parallel linear function", "engine.tp_comm_overlap=true"]),
     "max_connections": (["engine.cuda_device_max_connections=0"], ["engine.cuda_device_max_connections=0 must be 1 to 32"]),
@@ -108,8 +112,6 @@ BROKEN = {
     "qkv_bias_needs_qwen2_family": (["model.qkv_bias=true"], ["the llama family has qkv_bias=False"]),
     "vocab_not_divisible_by_tp": (["parallel.tp=2", "model.vocab_size=257"],
                                   ["model.vocab_size=257 is not divisible by parallel.tp=2"]),
-    "deepspeed_qwen2": (["engine=deepspeed", "model.family=qwen2", "model.qkv_bias=true"],
-                        ["engine=deepspeed without TP builds the Hugging Face Llama and Mixtral classes"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
 }
 

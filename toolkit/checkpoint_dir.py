@@ -27,6 +27,13 @@ WRITER_LOCK = ".writer.lock"  # POSIX lock held by the one run writing this root
 # Written last into a DeepSpeed checkpoint: what the run was (common state) and every
 # file with its size, so a cut-short file is found before a load (DeepSpeed has no index).
 DEEPSPEED_MANIFEST = "gridwright_deepspeed.json"
+# How to carry a checkpoint of one format to the other engine (by the format engine_of names).
+CONVERSION_HINT = {
+    "deepspeed": "convert it first: python -m gridwright.adapters.convert deepspeed-to-megatron --deepspeed {root} "
+                 "--out DIR",
+    "megatron": "convert it to a Hugging Face folder (python -m gridwright.adapters.convert megatron-to-hf "
+                "--megatron {root} --out DIR) and start from that",
+}
 _ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
@@ -211,8 +218,9 @@ def writer_problem(root: str | os.PathLike) -> str | None:
 def read_common(path: str | os.PathLike, trust: bool | None = None) -> dict:
     """The common (non-sharded) state of one checkpoint directory: step, model, layout...
     (`common.pt` is a torch pickle: read through the allowlist unless `trust`)."""
-    if engine_of(path) == "deepspeed":
-        return json.loads((Path(path) / DEEPSPEED_MANIFEST).read_text())["common"]
+    manifest = Path(path) / DEEPSPEED_MANIFEST
+    if manifest.is_file():  # DeepSpeed's own files are beside a JSON manifest of ours
+        return json.loads(manifest.read_text())["common"]
     return load_torch_file(Path(path) / "common.pt", trust=trust)["common"]
 
 
@@ -233,36 +241,11 @@ def model_differences(recorded: dict, model_cfg) -> list[str]:
     return out
 
 
-def deepspeed_settings(cfg, dp: int) -> dict:
-    """What a DeepSpeed checkpoint's optimizer state is shaped by, and so what a resume must
-    share with the run that saved it: DeepSpeed stores each data-parallel rank's partition
-    of the optimizer state under that rank's number, in the form of that ZeRO stage and
-    precision, and offloaded optimizers keep their own state layout."""
-    z = cfg.zero
-    return {"dp": dp, "zero_stage": z.stage, "params_dtype": cfg.precision.params_dtype,
-            "offload_optimizer": bool(z.offload_optimizer), "offload_params": bool(z.offload_params)}
-
-
-def deepspeed_resharding(saved: dict, wanted: dict) -> str:
-    """How a DeepSpeed checkpoint saved with `saved` settings resumes under `wanted` ones:
-    "same" (load as saved), "universal" (only the data-parallel size differs, ZeRO 1-3
-    without offload: DeepSpeed's universal checkpoint re-partitions the optimizer state), or
-    "refuse" (another stage, precision or offload shapes the state differently; ZeRO-0
-    and offloaded optimizers were not verified through the universal form)."""
-    diffs = {k for k in wanted if saved.get(k) != wanted[k]}
-    if not diffs:
-        return "same"
-    if diffs == {"dp"} and wanted["zero_stage"] >= 1 and not (wanted["offload_optimizer"] or wanted["offload_params"]):
-        return "universal"
-    return "refuse"
-
-
 def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False, engine: str | None = None,
-                     settings: dict | None = None, trust: bool = False) -> str | None:
+                     trust: bool = False) -> str | None:
     """Why `root` cannot be loaded (used by validation before anything starts): missing,
     damaged, a pickled file that would run code (unless `trust`), another model shape,
-    written by the other `engine`, or (DeepSpeed) saved with other `settings` (see
-    deepspeed_settings)."""
+    or written by another `engine` than the one named."""
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
@@ -279,26 +262,14 @@ def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = F
         return f"checkpoint.load={root}: cannot read {path} ({e})."
     written_by = engine_of(path)
     if engine is not None and written_by != engine:
-        how = ("Fix: engine=deepspeed to resume it, or convert it first: python -m gridwright.adapters.convert "
-               f"deepspeed-to-megatron --deepspeed {root} --out DIR" if written_by == "deepspeed" else
-               "Fix: engine=megatron to resume it, or convert it to a Hugging Face folder (python -m "
-               f"gridwright.adapters.convert megatron-to-hf --megatron {root} --out DIR) and start from that")
-        return f"checkpoint.load={root} holds a {written_by} checkpoint, which engine={engine} cannot resume. {how}."
+        return (f"checkpoint.load={root} holds a {written_by} checkpoint, which engine={engine} cannot resume. "
+                f"Fix: engine={written_by} to resume it, or {CONVERSION_HINT[written_by].format(root=root)}.")
     recorded = common.get("model_config")
     if model_cfg is not None and recorded:
         diffs = model_differences(recorded, model_cfg)
         if diffs:
             hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
             return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
-    if settings is not None and written_by == "deepspeed":
-        saved = common.get("settings", {})
-        if deepspeed_resharding(saved, settings) == "refuse":
-            diffs = [f"{k}={v} (checkpoint: {saved.get(k)})" for k, v in settings.items() if saved.get(k) != v]
-            return (f"checkpoint.load={root} ({path.name}) was saved by DeepSpeed with other settings: "
-                    f"{', '.join(diffs)}. Its optimizer state is partitioned and shaped by them; only the data "
-                    "parallel size may change (ZeRO 1-3 without offload, through DeepSpeed's universal checkpoint). "
-                    "Fix: resume with the saving run's ZeRO stage, precision and offload, or convert it to a "
-                    "Hugging Face folder (deepspeed-to-hf) and start a new run from that.")
     return None
 
 

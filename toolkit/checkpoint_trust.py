@@ -71,16 +71,10 @@ class UntrustedCheckpointFile(RuntimeError):
 # a worker that way), so RNG states are saved without numpy.
 # DeepSpeed's optimizer states hold these objects. Importing DeepSpeed takes seconds and
 # prints, so they are added only when a file names one of them.
-_DEEPSPEED_GLOBALS = {"deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                      "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address"}
-
-
 def _deepspeed_allowlist() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from .deepspeed_internals.checkpoint_files import pickled_classes
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return pickled_classes()
 
 
 _REAL_TORCH_LOAD = None  # torch.load as torch defines it, kept before guard_process replaces it
@@ -114,7 +108,7 @@ def load_torch_file(source, *, trust: bool | None = None, map_location="cpu", **
     try:
         return _load_weights_only(load, source, [], map_location, kwargs)
     except UntrustedCheckpointFile as e:
-        if e.needs not in _DEEPSPEED_GLOBALS:
+        if not e.needs.startswith("deepspeed."):
             raise
     if hasattr(source, "seek"):
         source.seek(0)

@@ -750,10 +750,11 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     counted at the params dtype). With a profile, raises UnmeasuredGroupSize when a
     needed (collective, group size) was not measured.
     """
-    if cfg.engine.name != "megatron":
-        raise ValueError(
-            f"predict_step_communication models the Megatron engine, not engine.name={cfg.engine.name}"
-        )
+    from .engines.registry import rules
+
+    if not rules(cfg).CAPABILITIES.models_communication:
+        raise ValueError(f"predict_step_communication models the Megatron engine's collectives; engine "
+                         f"{cfg.engine.name} declares that it has no model")
     st = _step(cfg, layout)
     groups = {  # kind -> (placement kind, group size, calls)
         "tp": ("tp", layout.tp, _tp_calls(cfg, layout, st)),

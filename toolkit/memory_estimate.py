@@ -6,7 +6,8 @@ A planning number, not a measurement. Its terms, per rank of the worst pipeline 
   precision (ZeRO paper accounting: 16-bit weights 2, gradients 2, fp32 master + m + v
   12; fp32 training: 4 + 4 + 8; the Megatron engine keeps gradients in fp32: 4),
   divided over DP x CP (Megatron-Core's data-parallel group with context parallelism)
-  as the ZeRO stage says. Expert
+  where the engine's rules say its ZeRO stage shards them (`state_sharding`: Megatron's
+  distributed optimizer, stage 1 or 2, keeps the whole gradient buffer). Expert
   parameters are divided over EP x expert-TP and their states over expert-DP.
 * activations: Korthikanti et al. 2022 (34 s b h bytes per layer with SP, 10 + 24/t
   without, times ACTIVATION_SCALE for the torch-native spec), with fused attention (no s^2 term, so selective recompute saves nothing
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .engines.registry import rules
 from .layout import ParallelLayout
 from .model_math import param_counts
 
@@ -64,16 +66,18 @@ class MemoryEstimate:
         )
 
 
-def _state_bytes(params: float, dp: int, zero, sixteen_bit: bool, fp32_grads: bool) -> tuple[float, float, float]:
+def _state_bytes(params: float, dp: int, zero, sharding, sixteen_bit: bool,
+                 fp32_grads: bool) -> tuple[float, float, float]:
+    """Bytes of weights, gradients and optimizer state for `params` parameters, divided
+    over `dp` ranks where the engine's `sharding` (protocol.StateSharding) shards them."""
     w = 2.0 if sixteen_bit else 4.0
     g = 4.0 if fp32_grads else w
     o = 12.0 if sixteen_bit else 8.0
-    stage = zero.stage
-    if stage >= 1:
+    if sharding.optimizer:
         o /= dp
-    if stage >= 2:
+    if sharding.gradients:
         g /= dp
-    if stage >= 3:
+    if sharding.weights:
         w /= dp
     if zero.offload_optimizer:
         o = 0.0
@@ -88,8 +92,9 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     tp, pp = layout.tp, layout.pp
     layers = m.num_layers // pp
     sixteen_bit = cfg.precision.params_dtype in ("bf16", "fp16")
-    # The Megatron engine reduces and keeps gradients in fp32 (grad_reduce_in_fp32).
-    fp32_grads = cfg.engine.name == "megatron"
+    engine = rules(cfg)
+    fp32_grads = engine.CAPABILITIES.grads_reduced_in_fp32
+    sharding = engine.state_sharding(cfg.zero)
     act_bytes = 2.0 if sixteen_bit else 4.0
 
     dense_layer = layers * pc.per_layer_dense / tp
@@ -124,8 +129,8 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     for stage_extra, stage_acts, stage_logits in stages:
         dense = dense_layer + stage_extra
         # Megatron-Core shards the dense states over data-parallel x context-parallel ranks.
-        wd, gd, od = _state_bytes(dense, layout.dp * layout.cp, cfg.zero, sixteen_bit, fp32_grads)
-        we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sixteen_bit, fp32_grads)
+        wd, gd, od = _state_bytes(dense, layout.dp * layout.cp, cfg.zero, sharding, sixteen_bit, fp32_grads)
+        we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sharding, sixteen_bit, fp32_grads)
         sharded = cfg.zero.stage >= 1 and not cfg.zero.offload_optimizer
         step_temp = 0.0 if cfg.zero.offload_optimizer else 4.0 * max(
             dense / (layout.dp * layout.cp if sharded else 1), expert_layer / (layout.expert_dp if sharded else 1))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 DEFINITIONS = ("megatron", "palm")
 DEFAULT_DEFINITION = "megatron"
+# The definitions that count half of the causal attention scores (a causal mask skips half).
+HALVES_CAUSAL_SCORES = {"megatron": True, "palm": False}
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def forward_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DE
         raise ValueError(f"unknown FLOPs definition '{definition}'; choose one of {', '.join(DEFINITIONS)}")
     matmul = 2 * _active_matmul_params(model, count_router=definition == "palm")
     scores = _attention_score_flops(model, seq_length)
-    return float(matmul + (scores / 2 if definition == "megatron" else scores))
+    return float(matmul + (scores / 2 if HALVES_CAUSAL_SCORES[definition] else scores))
 
 
 def model_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION) -> float:
@@ -109,7 +111,7 @@ def hardware_flops_per_token(model, seq_length: int, recompute: str,
         return model_flops + forward_flops_per_token(model, seq_length, definition)
     if recompute == "selective":  # Megatron recomputes the core attention only
         scores = _attention_score_flops(model, seq_length)
-        return model_flops + (scores / 2 if definition == "megatron" else scores)
+        return model_flops + (scores / 2 if HALVES_CAUSAL_SCORES[definition] else scores)
     return model_flops
 
 

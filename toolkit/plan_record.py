@@ -1,14 +1,16 @@
 """`plan.json`: the numbers a plan predicts, written into every job directory.
 
 Parameter counts, FLOPs per token under every definition (and the one behind `mfu`), the
-peak MFU is measured against, the per-GPU memory estimate, the layout and its groups, and,
-when the cluster names a collective-cost profile, each group's predicted communication
-per step. Runs and sweeps compare their measurements against this record.
+peak MFU is measured against, the per-GPU memory estimate, the layout and its groups, the
+ZeRO settings DeepSpeed runs with (engine=deepspeed), and, when the cluster names a
+collective-cost profile, each group's predicted communication per step. Runs and sweeps
+compare their measurements against this record.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
 
+from .engines.registry import rules
 from .memory_estimate import estimate_memory
 from .model_math import flops_record, param_counts
 
@@ -32,6 +34,9 @@ def plan_record(cfg, layout, placement) -> dict:
         "layout": {**asdict(layout), "dp": layout.dp, "expert_dp": layout.expert_dp, "slug": layout.slug()},
         "groups": {k: v.tolist() for k, v in placement.groups.items()},
         "predicted_communication": None,
+        # The ZeRO settings DeepSpeed runs with (conf/zero, null keys derived from the model);
+        # None on engine=megatron, which reads none of them.
+        "zero_settings": rules(cfg).zero_settings(cfg),
     }
     if cfg.cluster.comm_profile:
         from .comm_model import CommProfile, predict_step_communication

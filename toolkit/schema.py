@@ -59,11 +59,33 @@ class ParallelConfig:
 
 @dataclass
 class ZeroConfig:
-    """Optimizer-state sharding, named after DeepSpeed's ZeRO stages."""
+    """Optimizer-state sharding, named after DeepSpeed's ZeRO stages.
+
+    The keys after the offloads are DeepSpeed's own ZeRO settings (engine=deepspeed only;
+    engine=megatron refuses them). None means DeepSpeed's documented default (overlap_comm:
+    on CUDA only; stage3_leaf_layers, gridwright's: true); the values that
+    run are gridwright.engines.zero_settings.resolved_zero_settings (plan.json: zero_settings).
+    """
 
     stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
+    overlap_comm: Optional[bool] = None  # None: true on CUDA, false on CPU
+    contiguous_gradients: Optional[bool] = None  # None: true
+    reduce_bucket_size: Optional[int] = None  # elements; None: 5e8
+    allgather_bucket_size: Optional[int] = None  # elements, ZeRO-1/2 only; None: 5e8
+    stage3_prefetch_bucket_size: Optional[int] = None  # elements; None: 5e7
+    stage3_max_live_parameters: Optional[int] = None  # None: 1e9
+    stage3_param_persistence_threshold: Optional[int] = None  # elements; None: 1e5
+    # ZeRO-3 on the Hugging Face model: gather each decoder layer's parameters at once (DeepSpeed's
+    # leaf modules, deepspeed.utils.set_z3_leaf_modules) instead of hooking each of its linears.
+    stage3_leaf_layers: Optional[bool] = None  # None: true
+    # ZeRO++ (ZeRO-3 only; None: off): hpZ (a secondary copy of the parameters partitioned
+    # within groups of this many ranks, usually a node's GPUs), qwZ (int8 weight all-gather)
+    # and qgZ (int4 gradient all-to-all between nodes).
+    zero_hpz_partition_size: Optional[int] = None  # None: 1
+    zero_quantized_weights: Optional[bool] = None  # None: false
+    zero_quantized_gradients: Optional[bool] = None  # None: false
 
 
 @dataclass
@@ -125,10 +147,10 @@ class EngineConfig:
     # reduce-scatter with the neighbouring matmuls through torch's symmetric memory
     # (gridwright.megatron_internals.parallel_linear), as TorchTitan's async TP does.
     tp_comm_overlap: bool = False
-    # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: 1, which
-    # Megatron-Core's SP and gradient overlap rely on to order communication before compute,
-    # except with tp_comm_overlap, whose copy-engine transfers need queues of their own (8,
-    # CUDA's default).
+    # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
+    # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,
+    # whose SP and gradient overlap rely on it to order communication before compute, 8
+    # (CUDA's default) with tp_comm_overlap and for DeepSpeed's ZeRO side streams.
     cuda_device_max_connections: Optional[int] = None
 
 

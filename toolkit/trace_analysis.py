@@ -88,6 +88,12 @@ PLACEMENT_KIND_OF_DESCRIPTION = {
     "EXPERT_DATA_PARALLEL_GROUP": "edp",
     "MODEL_PARALLEL_GROUP": "mp",
 }
+# Communicators with a description Megatron-Core did not give (DeepSpeed's groups are
+# torch's "undefined"; a user's own), and the default group (ZeRO-3 gathers over it when
+# it is the data-parallel group), are attributed by their members: the planned group of
+# this rank with the same members, tried in this order (with TP=1 the expert-DP group of
+# a dense model is the DP group, and DP is what it stands for).
+KINDS_BY_MEMBERS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Int": 4, "Long": 8, "Byte": 1, "Char": 1}
 
 
@@ -173,8 +179,24 @@ def _is_communication(e: dict) -> bool:
     return e["name"].startswith("nccl") or "Collective name" in e.get("args", {})
 
 
-def load_rank_trace(path: Path, layout_pp: int) -> RankTrace:
-    """Read one rank's gzip Chrome trace into step windows, compute and collectives."""
+def planned_groups(placement: dict, rank: int) -> dict[str, list[int]]:
+    """The members of each planned group of `rank` (placement.json), by kind."""
+    ids = placement["ranks"][rank]["group_ids"]
+    return {kind: placement["groups"][kind][ids[kind]] for kind in KINDS_BY_MEMBERS if kind in ids}
+
+
+def group_by_members(ranks_text: str, planned: dict[str, list[int]]) -> str | None:
+    """The planned group kind whose members are `ranks_text` ("[0, 1]"), or None."""
+    try:
+        ranks = json.loads(ranks_text)
+    except (TypeError, ValueError):
+        return None
+    return next((kind for kind in KINDS_BY_MEMBERS if planned.get(kind) == ranks), None)
+
+
+def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | None = None) -> RankTrace:
+    """Read one rank's gzip Chrome trace into step windows, compute and collectives;
+    `planned` (planned_groups) attributes communicators Megatron-Core did not describe."""
     try:
         with gzip.open(path, "rt") as f:
             doc = json.load(f)
@@ -202,9 +224,12 @@ def load_rank_trace(path: Path, layout_pp: int) -> RankTrace:
                     # Megatron-Core they come from the pipeline schedule.
                     group = "pp" if layout_pp > 1 else "unattributed"
                     desc = "p2p"
+                elif desc in GROUP_OF_DESCRIPTION and desc != "default_pg":
+                    group = GROUP_OF_DESCRIPTION[desc]
                 else:
-                    group = GROUP_OF_DESCRIPTION.get(desc) or desc.lower()
-                    if desc not in GROUP_OF_DESCRIPTION:
+                    group = group_by_members(a.get("Process Group Ranks"), planned or {}) or GROUP_OF_DESCRIPTION.get(desc)
+                    if group is None:
+                        group = desc.lower()
                         unknown.add(desc)
                 size = -1  # batched p2p kernels record no message size
                 if "dtype" in a:
@@ -357,7 +382,11 @@ def analyze(job_dir: Path) -> dict:
     files = sorted((job_dir / TRACES_DIR).glob("rank_*.json.gz"))
     if not files:
         raise TraceError(f"{job_dir}: no traces in {TRACES_DIR}/ (run with evaluate.profile_steps=[first,last])")
-    traces = {rt.rank: rt for rt in (load_rank_trace(f, layout["pp"]) for f in files)}
+    traces = {}
+    for f in files:
+        rank = _rank_of_file(f)
+        rt = load_rank_trace(f, layout["pp"], planned_groups(placement, rank) if rank < len(placement["ranks"]) else None)
+        traces[rt.rank] = rt
     if not any(len(rt.compute) or rt.collectives for rt in traces.values()):
         return {
             "available": False,
@@ -403,6 +432,10 @@ def analyze(job_dir: Path) -> dict:
     if closures:
         doc["max_closure_error"] = max(closures)
     return doc
+
+
+def _rank_of_file(path: Path) -> int:
+    return int(re.findall(r"\d+", path.name)[0])
 
 
 def _group_mismatches(rt: RankTrace, placement: dict) -> list[str]:

@@ -13,7 +13,8 @@ import re
 from omegaconf import OmegaConf
 
 from .families.hf_config import family_problems
-from .families.registry import FAMILIES, family
+from .engines.registry import ENGINES, is_known, rules
+from .families.registry import FAMILIES
 from .layout import ParallelLayout
 from .machine_probe import probe
 from .megatron_version import refusal as megatron_core_refusal
@@ -21,7 +22,6 @@ from .memory_estimate import estimate_memory
 from .model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from .placement import Placement, plan_placement
 
-ENGINES = ("megatron", "deepspeed")
 LAUNCHERS = ("local", "torchrun", "slurm", "plan")
 GPU_REQUESTS = ("auto", "gpus_per_node", "gres", "none")
 DEVICES = ("cpu", "cuda")
@@ -268,8 +268,6 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         if p.fp8_param:
             out.append("precision.fp8_param=true needs an FP8 recipe (precision.fp8_recipe).")
         return out
-    if cfg.engine.name != "megatron":
-        out.append(f"FP8 (precision.fp8_recipe={p.fp8_recipe}) is only wired for engine=megatron.")
     if p.params_dtype == "fp32":
         out.append("FP8 training keeps bf16 weights: set precision.params_dtype=bf16.")
     torchao_asked = _torchao_asked(p)
@@ -382,8 +380,6 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]
     keys = _torch_native_keys_on(e)
-    if keys and e.name != "megatron":
-        return [f"engine.{keys[0]}=true is wired for engine=megatron only (the torch-native layer spec)."]
     if e.compile_layers and cfg.parallel.tp > 1 and not e.tp_comm_overlap:
         return [COMPILED_MEGATRON_TP]
     if keys and for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda":
@@ -414,42 +410,11 @@ def check_megatron_core(cfg, for_launch: bool) -> list[str]:
     return [problem] if problem else []
 
 
-def check_engine(cfg, layout: ParallelLayout) -> list[str]:
-    z, e, out = cfg.zero, cfg.engine.name, []
-    if z.offload_params and z.stage != 3:
-        out.append(f"zero.offload_params=true needs zero.stage=3 (got {z.stage}): only ZeRO-3 partitions parameters.")
-    if z.offload_optimizer and z.stage == 0:
-        out.append("zero.offload_optimizer=true needs zero.stage>=1: there are no partitioned optimizer states to offload.")
-    if e == "megatron":
-        if z.stage == 3 and cfg.cluster.device != "cuda":
-            out.append(
-                "zero.stage=3 on engine=megatron is Megatron-FSDP, which needs CUDA (it places its "
-                "buffers on CUDA devices directly). Fix: zero.stage=1 or 2 on cpu, or engine=deepspeed."
-            )
-        if z.stage == 3 and (cfg.checkpoint.save or cfg.checkpoint.load):
-            out.append(
-                "checkpoints under Megatron-FSDP (zero.stage=3) use another format (fsdp_dtensor) that "
-                "gridwright does not write yet. Fix: zero.stage=1 or 2 for checkpointed runs."
-            )
-        if z.offload_optimizer or z.offload_params:
-            out.append(
-                "CPU offload is a DeepSpeed feature here (ZeRO-Offload); engine=megatron has no such mode in "
-                "gridwright. Fix: engine=deepspeed, or zero.offload_optimizer=false."
-            )
-        if cfg.engine.overlap_param_gather and z.stage == 0:
-            out.append(
-                "engine.overlap_param_gather=true needs the distributed optimizer (zero.stage=1 or 2): "
-                "without sharding there is no parameter all-gather to overlap."
-            )
-    if e == "deepspeed":
-        out += deepspeed_layout_problems(cfg, layout)
-        m = cfg.model
-        refusal = family(m.family).deepspeed_refusal if m.family in FAMILIES else None
-        if layout.tp == 1 and refusal:
-            out.append(refusal.format(family=m.family))
-        elif layout.tp == 1 and m.rope_scaling_factor is not None:
-            out.append("engine=deepspeed builds a plain Hugging Face model without rope scaling; Llama-3 rope "
-                       "scaling needs engine=megatron.")
+def check_engine(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
+    """The engine's own refusals (gridwright.engines.<name>_rules), and what no engine runs."""
+    if not is_known(cfg):
+        return []  # check_choices says so
+    out = rules(cfg).problems(cfg, layout, for_launch)
     if cfg.cluster.device == "cpu" and cfg.parallel.moe_token_dispatcher == "alltoall" and cfg.model.num_experts:
         out.append(
             "parallel.moe_token_dispatcher=alltoall creates a CUDA stream in Megatron-Core 0.16.1 and cannot "
@@ -468,8 +433,6 @@ def check_data(cfg) -> list[str]:
         out.append(f"data.eval_interval={d.eval_interval} must be >= 0 and data.eval_iters={d.eval_iters} >= 1.")
     if d.kind == "synthetic":
         return out
-    if cfg.engine.name != "megatron":
-        out.append("data.kind=indexed is wired for engine=megatron only.")
     if not d.paths:
         return out + ["data.kind=indexed needs data.paths (prefixes made by gridwright.prepare_data)."]
     if d.weights is not None and len(d.weights) != len(d.paths):
@@ -515,77 +478,10 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
     ]
 
 
-def deepspeed_layout_problems(cfg, layout: ParallelLayout) -> list[str]:
-    """What engine=deepspeed runs: ZeRO 0-3 data parallelism over a Hugging Face model, or
-    ZeRO-1/2 over Megatron-Core tensor parallelism (parallel.tp>1, with or without SP)
-    through DeepSpeed's mpu interface. Each refusal says where the limit comes from."""
-    out = []
-    for name in ("cp", "ep"):
-        if getattr(layout, name) > 1:
-            out.append(f"engine=deepspeed has no {name.upper()} here; parallel.{name}={getattr(layout, name)} "
-                       "needs engine=megatron.")
-    if layout.pp > 1:
-        out.append(
-            f"parallel.pp={layout.pp}: pipeline parallelism under DeepSpeed needs its own PipelineModule, which "
-            "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
-            "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
-            "Fix: engine=megatron.")
-    if layout.tp == 1 and cfg.train.recompute == "selective":
-        out.append("train.recompute=selective is Megatron-Core's (attention's core only); the Hugging Face model "
-                   "engine=deepspeed trains recomputes whole layers. Fix: train.recompute=full, or parallel.tp>1 "
-                   "(Megatron-Core's GPTModel under DeepSpeed), or engine=megatron.")
-    if cfg.zero.stage == 0 and cfg.precision.params_dtype != "fp32":
-        out.append(
-            f"zero.stage=0 with precision.params_dtype={cfg.precision.params_dtype}: without ZeRO DeepSpeed wraps the "
-            "optimizer in its FP16_UnfusedOptimizer, which takes one Adam step with zero gradients at start (the "
-            "first real update is then about 0.7 x lr, and weight decay is applied once) and, in fp16, divides "
-            "gradients by a loss scale the loss was never multiplied by (measured with deepspeed 0.19.8). "
-            "Fix: zero.stage=1, or precision.params_dtype=fp32.")
-    if layout.tp > 1:
-        z = cfg.zero
-        if z.stage == 3:
-            out.append(
-                f"parallel.tp={layout.tp} with zero.stage=3: ZeRO-3 partitions whole parameters for data "
-                "parallelism and does not compose with Megatron-Core's tensor-parallel layers; DeepSpeed trains "
-                "tensor parallelism with ZeRO 0-2 only (deepspeedai/DeepSpeed#6523; its AutoTP documentation, "
-                "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
-        elif z.stage == 0:
-            out.append(f"parallel.tp={layout.tp} with zero.stage=0: engine=deepspeed runs tensor parallelism under "
-                       "ZeRO-1/2 (its optimizer takes the gradient norm over TP shards). Fix: zero.stage=1.")
-        if z.offload_optimizer or z.offload_params:
-            out.append(f"parallel.tp={layout.tp} with CPU offload is not built on engine=deepspeed. "
-                       "Fix: zero.offload_optimizer=false.")
-        if cfg.model.num_experts:
-            out.append(f"parallel.tp={layout.tp} with experts (model.num_experts={cfg.model.num_experts}) is not "
-                       "built on engine=deepspeed. Fix: engine=megatron.")
-        if cfg.checkpoint.save:
-            out.append(f"parallel.tp={layout.tp}: engine=deepspeed over Megatron-Core TP saves no checkpoints "
-                       "(not built). Fix: drop checkpoint.save, or engine=megatron.")
-    return out
-
-
-def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:
-    """engine=deepspeed starts from a Hugging Face folder's weights (checkpoint.load, when
-    it is not a checkpoint root to resume): it must be one, of this model's shape."""
-    from .families.declaration import UnsupportedModel
-    from .families.hf_config import model_config_from_hf, read_hf_config
-    from .checkpoint_dir import model_differences
-
-    try:
-        recorded = model_config_from_hf(read_hf_config(hf_dir), model_cfg.name)
-    except UnsupportedModel as e:
-        return [f"checkpoint.load={hf_dir}: engine=deepspeed resumes its own checkpoints (a root with '"
-                f"latest') or starts from a Hugging Face folder; {e}"]
-    diffs = model_differences(recorded, model_cfg)
-    if diffs:
-        return [f"checkpoint.load={hf_dir} holds another model shape: {', '.join(diffs)}."]
-    return []
-
-
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from .checkpoint_dir import LATEST, deepspeed_settings, describe_problem, holds_checkpoints, writer_problem
+    from .checkpoint_dir import LATEST, writer_problem
 
     ck, out = cfg.checkpoint, []
     if ck.keep_last < 0:
@@ -594,26 +490,8 @@ def check_checkpoint(cfg) -> list[str]:
         return out
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
-    deepspeed = cfg.engine.name == "deepspeed"
-    if deepspeed and ck.load and cfg.parallel.tp > 1:
-        # DeepSpeed over Megatron-Core TP starts from a Megatron-Core checkpoint's weights
-        # (e.g. one converted from Hugging Face); it resumes nothing.
-        problem = describe_problem(ck.load, cfg.model, engine="megatron", trust=ck.trust_pickled_code)
-        if problem:
-            out.append(f"{problem} (engine=deepspeed with parallel.tp>1 starts from the weights of a Megatron-Core "
-                       "checkpoint, such as hf-to-megatron writes.)")
-    elif deepspeed and ck.load and not holds_checkpoints(ck.load):
-        out += initial_hf_weights_problems(ck.load, cfg.model)
-    elif deepspeed and ck.load and ck.weights_only:
-        out.append(f"checkpoint.weights_only=true: engine=deepspeed resumes its checkpoints whole. To start a new "
-                   f"run from the weights of {ck.load}, convert them to a Hugging Face folder (python -m "
-                   f"gridwright.adapters.convert deepspeed-to-hf --deepspeed {ck.load} --out DIR) and load that.")
-    elif ck.load and cfg.launcher.name == "local":
-        settings = deepspeed_settings(cfg, ParallelLayout.from_config(cfg).dp) if deepspeed else None
-        problem = describe_problem(ck.load, cfg.model, fallback=ck.fallback, engine=cfg.engine.name,
-                                   settings=settings, trust=ck.trust_pickled_code)
-        if problem:
-            out.append(problem)
+    if is_known(cfg):
+        out += rules(cfg).checkpoint_problems(cfg)
     for root in {ck.save, ck.load} - {None}:
         problem = writer_problem(root) if cfg.launcher.name == "local" else None
         if problem:
@@ -669,11 +547,6 @@ def check_launcher(cfg, for_launch: bool) -> list[str]:
             f"launcher=local runs on this machine only, but cluster.nodes={c.nodes}. "
             "Fix: launcher=torchrun or launcher=slurm (or launcher=plan to inspect)."
         ]
-    if (for_launch and c.device == "cpu" and cfg.engine.name == "deepspeed" and cfg.precision.params_dtype == "fp16"
-            and not probe().cpu_fp16):
-        return ["engine=deepspeed with precision=fp16 on CPU needs fp16 support in oneDNN (AVX512-FP16 or AMX-FP16), "
-                "which this CPU lacks: DeepSpeed's CPU accelerator refuses fp16 here. Fix: precision=bf16 or fp32, "
-                "or engine=megatron."]
     if for_launch and c.device == "cuda":
         facts = probe()
         if facts.cuda_devices < c.gpus_per_node:
@@ -772,8 +645,6 @@ def check_evaluate(cfg) -> list[str]:
                 f"0 <= first < last <= train.steps={steps}, e.g. [{min(2, steps - 1)}, {steps}]. "
                 "Fix: pick steps after the first (it includes warm-up)."
             )
-        if cfg.engine.name != "megatron":
-            out.append("evaluate.profile_steps is implemented for engine=megatron only.")
     prof = cfg.cluster.comm_profile
     if prof is not None and not os.path.isfile(prof):
         out.append(
@@ -789,6 +660,8 @@ def check_comm_profile(cfg, layout: ParallelLayout) -> list[str]:
     path = cfg.cluster.comm_profile
     if path is None or not os.path.isfile(path):
         return []  # a missing file is check_evaluate's message
+    if not is_known(cfg) or not rules(cfg).CAPABILITIES.models_communication:
+        return []  # nothing is predicted for this engine (the plan says so)
     from .comm_model import CommProfile, predict_step_communication
 
     try:
@@ -817,7 +690,7 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_model_split(cfg, layout)
         problems += check_context_parallel(cfg, layout)
         problems += check_batch(cfg, layout)
-        problems += check_engine(cfg, layout)
+        problems += check_engine(cfg, layout, for_launch)
         problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)

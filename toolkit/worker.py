@@ -283,23 +283,17 @@ def train(job_dir: Path) -> int:
     def on_step(step, raw):
         state["reporter"].on_step(step, raw)
 
-    if cfg.engine.name == "megatron":
-        from .engines.megatron_engine import run_training
-    else:
-        from .engines.deepspeed_engine import run_training
+    from .engines.training_loop import run_training
+
     heartbeat = Heartbeat(job_dir, rank, os.environ.get(TOKEN_ENV))
     try:
-        run_training(cfg, layout, on_step, on_start, job_dir=job_dir, stop=stop, progress=heartbeat)
+        engine_facts = run_training(cfg, layout, on_step, on_start, job_dir=job_dir, stop=stop, progress=heartbeat)
     except BaseException as e:
         if "reporter" in state:
             state["reporter"].close("killed" if stop.signal else "failed", error=f"{type(e).__name__}: {e}")
         raise
     if "reporter" in state:
-        extra = {"layer_spec": state["spec"], "placement_verified": True}
-        if cfg.engine.compile_layers and cfg.engine.name == "megatron":
-            from .engines.megatron_model import compiled_graphs
-
-            extra["compiled_graphs"] = compiled_graphs()  # in this process: 0 would mean nothing compiled
+        extra = {"layer_spec": state["spec"], "placement_verified": True, **engine_facts}
         if stop.signal:
             extra.update(stopped_by_signal=int(stop.signal), stopped_after_step=state["reporter"].history[-1]["step"]
                          if state["reporter"].history else None)

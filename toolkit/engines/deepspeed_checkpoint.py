@@ -11,10 +11,12 @@ The learning-rate schedule is Megatron-Core's `OptimizerParamScheduler`, owned b
 engine rather than by DeepSpeed, so its state travels in the manifest. The data stream
 is a function of the step, so the step restores it. The optimizer state is partitioned
 by data-parallel rank and shaped by the ZeRO stage, precision and offload: a resume must
-share the stage, precision and offload (`checkpoint_dir.deepspeed_settings`; validation
+share the stage, precision and offload (`deepspeed_rules.settings`; validation
 refuses otherwise). The data-parallel size may change under ZeRO 1-3 without offload:
 rank 0 converts the checkpoint to DeepSpeed's universal form once (`ds_to_universal`, into
-the job directory; the saved checkpoint is not touched) and every rank loads that.
+the job directory; the saved checkpoint is not touched) and every rank loads that. What
+this leans on inside DeepSpeed (the converter, the repair of its ZeRO-3 load) is in
+`deepspeed_internals.universal`.
 
 The manifest also keeps a digest of the saved model's logits, from the engine's own
 forward (`logits_digest`): conversion to Hugging Face consolidates the partitions and
@@ -36,18 +38,18 @@ from ..checkpoint_dir import (
     DEEPSPEED_MANIFEST,
     CheckpointError,
     checkpoint_to_load,
-    deepspeed_resharding,
-    deepspeed_settings,
     engine_of,
     holds_checkpoints,
     iteration_name,
     model_differences,
     read_common,
 )
-from ..checkpoint_trust import guarded_module_command, load_torch_file, refuse_pickled_code_on_every_rank
+from ..checkpoint_trust import guarded_module_command, refuse_pickled_code_on_every_rank
+from ..deepspeed_internals import universal
 from ..logits_digest import digest, sample_tokens
 from ..disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
+from .deepspeed_rules import resharding, settings
 
 
 def logits_digest(trainer) -> dict:
@@ -70,17 +72,9 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     ck = trainer.cfg.checkpoint
     with staged_iteration(root, step, ck.keep_last, checkpoint_bytes(trainer.cfg)) as partial:
         fingerprint = logits_digest(trainer)
-        # DeepSpeed's universal converter wants this entry (for a model without tensor
-        # parallelism the version is all it reads); it lets a resume change the DP size.
-        from deepspeed.checkpoint.constants import (
-            UNIVERSAL_CHECKPOINT_INFO,
-            UNIVERSAL_CHECKPOINT_VERSION_KEY,
-            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        )
-
-        trainer.engine.save_checkpoint(
-            str(partial.parent), tag=partial.name, save_latest=False,
-            client_state={UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}})
+        # the entry DeepSpeed's universal converter wants: it lets a resume change the DP size
+        trainer.engine.save_checkpoint(str(partial.parent), tag=partial.name, save_latest=False,
+                                       client_state=universal.client_state_entry())
         dist.barrier()
         if dist.get_rank() == 0:
             cfg = trainer.cfg
@@ -91,7 +85,7 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
                     "engine": "deepspeed",
                     "step": step,
                     "scheduler": trainer.scheduler.state_dict(),
-                    "settings": deepspeed_settings(cfg, trainer.layout.dp),
+                    "settings": settings(cfg, trainer.layout.dp),
                     "seed": cfg.train.seed,
                     "model": cfg.model.name,
                     "model_config": OmegaConf.to_container(cfg.model, resolve=True),
@@ -113,7 +107,7 @@ def resumes_through_universal(cfg, dp: int) -> bool:
     path = checkpoint_to_load(ck.load, ck.fallback)
     if path is None or engine_of(path) != "deepspeed":
         return False
-    return deepspeed_resharding(read_common(path)["settings"], deepspeed_settings(cfg, dp)) == "universal"
+    return resharding(read_common(path)["settings"], settings(cfg, dp)) == "universal"
 
 
 def universal_copy(path: Path, job_dir: Path) -> Path:
@@ -124,9 +118,7 @@ def universal_copy(path: Path, job_dir: Path) -> Path:
     if dist.get_rank() == 0 and not final.is_dir():
         with scratch_directory(final) as tmp:
             converted = subprocess.run(
-                guarded_module_command("deepspeed.checkpoint.ds_to_universal", [
-                    "--input_folder", str(path), "--output_folder", str(tmp / final.name),
-                    "--num_extract_workers", "1", "--num_merge_workers", "1"]),
+                guarded_module_command(universal.CONVERTER, universal.converter_args(path, tmp / final.name)),
                 capture_output=True, text=True)
             if converted.returncode != 0:
                 raise CheckpointError(f"DeepSpeed's universal conversion of {path} failed: {converted.stderr[-2000:]}")
@@ -135,22 +127,6 @@ def universal_copy(path: Path, job_dir: Path) -> Path:
               f"form in {final}", flush=True)
     dist.barrier()
     return final
-
-
-def _restore_zero3_param_groups(trainer, universal: Path) -> None:
-    """Two defects of DeepSpeed 0.19.8's ZeRO-3 universal load
-    (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), measured: it copies the first
-    saved parameter group's settings into every group (so the no-decay group decays: our
-    `wd_mult` 0 becomes 1), and gives every group one shared `step` tensor, which Adam then
-    advances once per group. Put each group's settings back and give each its own step."""
-    saved = load_torch_file(universal / "zero" / "optimizer_state.pt")
-    groups = saved["optimizer_state_dict"]["param_groups"]
-    optimizer = trainer.engine.optimizer
-    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
-    for state in optimizer.optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
 
 
 def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback: bool = False) -> tuple[int, Path]:
@@ -171,8 +147,8 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback:
     diffs = model_differences(common["model_config"], cfg.model)
     if diffs:
         raise CheckpointError(f"{path} was written for another model shape: {', '.join(diffs)}")
-    wanted = deepspeed_settings(cfg, trainer.layout.dp)
-    how = deepspeed_resharding(common["settings"], wanted)
+    wanted = settings(cfg, trainer.layout.dp)
+    how = resharding(common["settings"], wanted)
     if how == "refuse":
         raise CheckpointError(f"{path} was saved with DeepSpeed settings {common['settings']}; this run has {wanted}")
     source = path
@@ -184,6 +160,6 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback:
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {source}")
     if how == "universal" and cfg.zero.stage == 3:
-        _restore_zero3_param_groups(trainer, source)
+        universal.restore_zero3_param_groups(trainer.engine.optimizer, source)  # DeepSpeed's defects
     trainer.scheduler.load_state_dict(common["scheduler"])
     return int(common["step"]), path

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from ..layout import ParallelLayout
 from .optimizer_schedule import optimizer_config
+from .zero_settings import GRIDWRIGHT_KEYS, ZEROPP_OFF, resolved_zero_settings
 
 
 def deepspeed_config(cfg, layout: ParallelLayout, load_universal: bool = False) -> dict:
     """DeepSpeed's JSON config for this experiment; `load_universal` when it resumes a
     checkpoint saved at another data-parallel size (deepspeed_checkpoint)."""
     t, z, p = cfg.train, cfg.zero, cfg.precision
-    zero = {"stage": z.stage, "overlap_comm": cfg.cluster.device == "cuda"}
+    # The ZeRO settings the stage reads (conf/zero; null keys derived from the model, see
+    # zero_settings); ZeRO++ keys only when on, so that a config without them reads as before.
+    zero = {"stage": z.stage, **{k: v for k, v in resolved_zero_settings(cfg).items()
+                                 if k not in GRIDWRIGHT_KEYS and (k not in ZEROPP_OFF or v != ZEROPP_OFF[k])}}
     if z.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.cluster.device == "cuda"}
     if z.offload_params:

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine: a Hugging Face Llama/Mixtral trained with ZeRO data parallelism.
+"""The DeepSpeed engine: a Hugging Face model of any gridwright family trained with ZeRO data parallelism.
 
 DeepSpeed here means ZeRO stages 0-3 and CPU offload over plain data parallelism, or
 ZeRO-1/2 over Megatron-Core's tensor parallelism (`deepspeed_tensor_parallel`); PP, CP and
@@ -7,61 +7,43 @@ data stream, loss definition and metrics are the Megatron engine's, and so are t
 optimizer settings, parameter groups and schedule (`optimizer_schedule`) and the rules
 that draw the initial weights: from the same weights (`checkpoint.load`, a Hugging Face
 folder) a dense model's loss follows the Megatron engine's step by step (tests).
-Mixtral adds Megatron-Core's load-balancing loss, computed by its own functions.
+Mixtures of experts (Mixtral, Qwen3-MoE) add Megatron-Core's load-balancing loss, computed by its own functions.
 Checkpoints (`checkpoint.save`, resume from `checkpoint.load` or a restarted job) are
-`deepspeed_checkpoint`'s.
+`deepspeed_checkpoint`'s. The loop around the trainers (resume, profiling window,
+evaluation, saves, stops, metrics) is every engine's (`training_loop`).
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint_dir import holds_checkpoints
-from ..data_source import SyntheticSource
+from ..data_source import make_source
+from ..deepspeed_internals.engine_state import data_parallel_group, skipped_steps
 from ..layout import ParallelLayout
-from ..heartbeat import NO_PROGRESS
-from ..step_metrics import timed_step, write_memory_record
 from .deepspeed_config import deepspeed_config
+from .zero_settings import resolved_zero_settings
 from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
+from .protocol import Resumed
 from .timeouts import collective_timeout
 
 
 def extensions_to_build(cfg) -> list[str]:
     """DeepSpeed's C++ ops this run will compile on first use (DS_BUILD_OPS=0 installs build
     them just in time: minutes on a small machine, once; torch caches them afterwards)."""
-    names = (["deepspeed_shm_comm"] if cfg.cluster.device == "cpu" else []) + (
-        ["cpu_adam"] if cfg.zero.offload_optimizer else [])
-    # torch's own rule for where a JIT extension is cached; a private function, used
-    # rather than re-deriving the directory name (it depends on the Python and CUDA build).
-    from torch.utils.cpp_extension import _get_build_directory
+    from ..deepspeed_internals.extensions import CPU_ADAM, SHM_COMM, not_yet_built
 
-    try:  # ops built into the install (DS_BUILD_CPU_ADAM=1 ...) are never compiled at run time
-        from deepspeed.git_version_info import installed_ops
-    except ImportError:
-        installed_ops = {}
-    out = []
-    for name in names:
-        if installed_ops.get(name):
-            continue
-        try:
-            built = os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
-        except Exception:  # noqa: BLE001 - unknown: announce rather than stay silent
-            built = False
-        if not built:
-            out.append(name)
-    return out
+    return not_yet_built(([SHM_COMM] if cfg.cluster.device == "cpu" else []) + ([CPU_ADAM] if cfg.zero.offload_optimizer else []))
 
 
 class DeepSpeedTrainer:
     spec_name = "huggingface"
-    resumes_checkpoints = True  # checkpoint.load: its own checkpoint root, or a Hugging Face folder
 
-    def __init__(self, cfg, layout: ParallelLayout):
+    def __init__(self, cfg, layout: ParallelLayout, data_cache_dir):
         import deepspeed
         import transformers
 
@@ -84,6 +66,14 @@ class DeepSpeedTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if model.is_gradient_checkpointing:  # read back from the model: what the summary reports is what runs
             self.spec_name = "huggingface+recompute"
+        self.spec_name += torch_native_paths(model, cfg)
+        if resolved_zero_settings(cfg).get("stage3_leaf_layers"):
+            # One fetch and one release per decoder layer rather than per linear: ZeRO-3's
+            # hooks run on the host for every module, and the step was host-bound on them.
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, [type(model.model.layers[0])])
+            self.spec_name += "+z3_leaf_layers"
         ds_cfg = deepspeed_config(cfg, layout, load_universal=resumes_through_universal(cfg, layout.dp))
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)
@@ -96,14 +86,15 @@ class DeepSpeedTrainer:
         )
         self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = ds_cfg["gradient_accumulation_steps"]
-        self.data = SyntheticSource(cfg)
+        self.data = make_source(cfg, data_cache_dir)
+        self.dp_rank = self.observed_coordinates()["dp"]
         self.is_logging_rank = dist.get_rank() == 0
 
     def observed_coordinates(self) -> dict:
         """The data-parallel group DeepSpeed reduces gradients over (read from the engine);
         every other dimension is this rank alone (pure data parallelism)."""
         r = dist.get_rank()
-        dp = dist.get_process_group_ranks(self.engine.seq_data_parallel_group)
+        dp = dist.get_process_group_ranks(data_parallel_group(self.engine))
         groups = {k: [r] for k in ("tp", "pp", "cp", "ep", "etp")}
         groups.update(dp=dp, edp=dp)
         return {"rank": r, "tp": 0, "pp": 0, "dp": dp.index(r), "cp": 0, "ep": 0, "etp": 0, "edp": dp.index(r),
@@ -111,9 +102,9 @@ class DeepSpeedTrainer:
 
     def train_step(self, step: int) -> dict:
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        skipped_before = self.engine.skipped_steps
+        skipped_before = skipped_steps(self.engine)
         total, grad_norm = torch.zeros(1, device=self.device), None
-        for batch in self.data.batches("train", step, dist.get_rank(), self.layout.dp, self.num_micro, self.device):
+        for batch in self.data.batches("train", step, self.dp_rank, self.layout.dp, self.num_micro, self.device):
             loss, objective = causal_lm_loss(self.engine, batch, self.cfg.model)
             self.engine.backward(objective)
             if self.cfg.zero.stage == 0 and self.engine.is_gradient_accumulation_boundary():
@@ -126,7 +117,7 @@ class DeepSpeedTrainer:
         total /= self.num_micro
         dist.all_reduce(total)
         total /= dist.get_world_size()
-        skipped = self.engine.skipped_steps > skipped_before  # fp16 overflow
+        skipped = skipped_steps(self.engine) > skipped_before  # fp16 overflow
         if not skipped:
             self.scheduler.step(increment=1)
         if grad_norm is None:
@@ -135,73 +126,94 @@ class DeepSpeedTrainer:
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "update_skipped": 1.0 if skipped else 0.0}
 
+    @torch.no_grad()
+    def evaluate(self, round_index: int) -> float:
+        """Validation loss over `data.eval_iters` held-out global batches (the language-model
+        loss alone, as the Megatron engine reports it)."""
+        self.engine.eval()
+        iters = self.cfg.data.eval_iters
+        total = torch.zeros(1, device=self.device)
+        for i in range(iters):
+            for batch in self.data.batches("valid", round_index * iters + i, self.dp_rank, self.layout.dp,
+                                           self.num_micro, self.device):
+                total += causal_lm_loss(self.engine, batch, self.cfg.model)[0]
+        self.engine.train()
+        dist.all_reduce(total)
+        return float(total.item()) / (iters * self.num_micro * dist.get_world_size())
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> None:
-    """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
-    Every rank leaves its peak memory in `job_dir`. A signal (`stop`) ends training after
-    the step every rank is at, saving a checkpoint first when `checkpoint.save` is set.
-    With `parallel.tp>1` the model is Megatron-Core's (deepspeed_tensor_parallel).
-    `progress` (a Heartbeat) hears of every step and phase on every rank."""
-    progress = progress or NO_PROGRESS
+    def load(self, job_dir) -> Resumed | None:
+        """Resume this engine's own checkpoint root (a Hugging Face folder was read at build)."""
+        ck = self.cfg.checkpoint
+        if not holds_checkpoints(ck.load):
+            return None
+        from . import deepspeed_checkpoint
+
+        first_step, path = deepspeed_checkpoint.load(self, ck.load, job_dir, fallback=ck.fallback)
+        return Resumed(first_step, path, f"resuming after step {first_step}")
+
+    def save(self, step: int, root):
+        from . import deepspeed_checkpoint
+
+        return deepspeed_checkpoint.save(self, step, root)
+
+    def summary_extras(self) -> dict:
+        if not self.cfg.engine.compile_layers:
+            return {}
+        from .megatron_model import compiled_graphs
+
+        return {"compiled_graphs": compiled_graphs()}  # in this process: 0 would mean nothing compiled
+
+
+def torch_native_paths(model, cfg) -> str:
+    """torchao's float8 linears (precision.fp8_recipe, torchao's tensorwise or rowwise) and
+    compiled decoder layers (engine.compile_layers), applied to the Hugging Face model
+    before DeepSpeed wraps it; returns what to add to the layer spec's name. The output
+    layer stays in bf16, as on the Megatron engine (its vocabulary matmul is not float8)."""
+    added = ""
+    recipe = cfg.precision.fp8_recipe
+    if recipe is not None:
+        import dataclasses
+
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if cfg.cluster.device == "cpu":  # float8 arithmetic emulated (no float8 matmul on CPU)
+            config = dataclasses.replace(config, emulate=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        added += f"+fp8_{recipe}"
+    if cfg.engine.compile_layers:
+        from .megatron_model import raise_recompile_limit
+
+        layers = model.model.layers
+        raise_recompile_limit(len(layers))
+        for layer in layers:
+            layer.compile()  # in place: parameter names, and so checkpoints, stay as they are
+        added += "+compiled"
+    return added
+
+
+@contextlib.contextmanager
+def open_trainer(cfg, layout: ParallelLayout, job_dir):
+    """One rank's DeepSpeed trainer: the Hugging Face model, or with `parallel.tp>1`
+    Megatron-Core's (deepspeed_tensor_parallel, with Megatron-Core's fixes and CPU
+    workarounds as in its own engine); process groups are destroyed at the end."""
     pending = extensions_to_build(cfg)
     if pending and os.environ.get("RANK", "0") == "0":
         print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
               "once; cached by torch afterwards)", flush=True)
+    cache = os.path.join(job_dir or ".", "data_cache")
     if layout.tp == 1:
-        _train(cfg, layout, DeepSpeedTrainer(cfg, layout), on_step, on_start, job_dir, stop, progress)
+        yield DeepSpeedTrainer(cfg, layout, cache)
         dist.destroy_process_group()
         return
-    # Megatron-Core's model under DeepSpeed: its CPU workarounds and fixes apply as in its engine.
     from megatron.core import parallel_state as ps
 
-    from .deepspeed_tensor_parallel import DeepSpeedTensorParallelTrainer
     from ..megatron_internals.cpu_compat import cpu_compat
     from ..megatron_internals.fixes import apply_megatron_fixes
+    from .deepspeed_tensor_parallel import DeepSpeedTensorParallelTrainer
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
-        trainer = DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout))
-        _train(cfg, layout, trainer, on_step, on_start, job_dir, stop, progress)
+        yield DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout), cache)
         ps.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def _train(cfg, layout, trainer, on_step, on_start, job_dir, stop, progress) -> None:
-    """The training loop around either trainer: resume, steps, saves, an agreed stop."""
-    from . import deepspeed_checkpoint
-
-    ck = cfg.checkpoint
-    first_step = 0
-    if ck.load and holds_checkpoints(ck.load) and trainer.resumes_checkpoints:
-        started = time.perf_counter()
-        first_step, path = deepspeed_checkpoint.load(trainer, ck.load, job_dir, fallback=ck.fallback)
-        if dist.get_rank() == 0:
-            print(f"checkpoint  loaded {path} in {time.perf_counter() - started:.1f} s; resuming after step "
-                  f"{first_step}", flush=True)
-    if on_start is not None:
-        on_start(trainer)
-    on_cuda = cfg.cluster.device == "cuda"
-    for step in range(first_step, cfg.train.steps):
-        metrics = timed_step(trainer.train_step, step, on_cuda)
-        progress.step_done(step, metrics["step_time_s"])
-        if trainer.is_logging_rank:
-            on_step(step, metrics)
-        done = step + 1
-        due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
-        signal = stop.agreed(trainer.device) if stop is not None else None
-        if ck.save and (due or signal):
-            started = time.perf_counter()
-            progress.phase("saving")
-            path = deepspeed_checkpoint.save(trainer, done, ck.save)
-            progress.phase("training")
-            if dist.get_rank() == 0:
-                print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
-        if signal:
-            if dist.get_rank() == 0:
-                print(f"stopped     by signal {signal} after step {step}"
-                      + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
-            break
-    progress.phase("finishing")
-    if job_dir is not None:  # every rank's peak, as the Megatron engine leaves them
-        write_memory_record(job_dir, dist.get_rank(), on_cuda)
-    dist.barrier()

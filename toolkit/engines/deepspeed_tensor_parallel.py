@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data_source import SyntheticSource
+from ..data_source import make_source
+from ..deepspeed_internals.engine_state import skipped_steps
 from ..layout import ParallelLayout
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
 
@@ -110,15 +111,13 @@ def sum_partial_gradients_over_tp(model, config) -> list:
 class DeepSpeedTensorParallelTrainer:
     """One rank of a DeepSpeed ZeRO-1/2 run over a Megatron-Core TP model."""
 
-    resumes_checkpoints = False  # checkpoint.load: a Megatron-Core checkpoint's weights, loaded at build
-
-    def __init__(self, cfg, layout: ParallelLayout, ds_config: dict):
+    def __init__(self, cfg, layout: ParallelLayout, ds_config: dict, data_cache_dir):
         import deepspeed
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
 
-        from .megatron_engine import init_parallel
+        from .megatron_groups import init_parallel
         from .megatron_model import build_model_chunks, transformer_config_kwargs
 
         self.cfg, self.layout = cfg, layout
@@ -145,25 +144,23 @@ class DeepSpeedTensorParallelTrainer:
             model=model, optimizer=optimizer, config=ds_config, model_parameters=groups, mpu=MegatronCoreGroups())
         self.scheduler = lr_scheduler(cfg, self.optimizer)
         self.num_micro = ds_config["gradient_accumulation_steps"]
-        self.data = SyntheticSource(cfg)
+        self.data = make_source(cfg, data_cache_dir)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
         self.spec_name = "local+sdpa"
 
     def observed_coordinates(self) -> dict:
         """Megatron-Core's groups, which DeepSpeed was handed and uses."""
-        from .megatron_engine import observed_coordinates
+        from .megatron_groups import observed_coordinates
 
         return observed_coordinates()
 
     def train_step(self, step: int) -> dict:
         lr = float(self.optimizer.param_groups[0]["lr"])
-        skipped_before = self.engine.skipped_steps
+        skipped_before = skipped_steps(self.engine)
         total = torch.zeros(1, device=self.device)
         for batch in self.data.batches("train", step, self.dp_rank, self.layout.dp, self.num_micro, self.device):
-            per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            mask = batch["loss_mask"].view(-1).float()
-            loss = torch.sum(per_token.float().view(-1) * mask) / mask.sum()
+            loss = self._loss(batch)
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach()
@@ -172,10 +169,42 @@ class DeepSpeedTensorParallelTrainer:
 
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         total /= self.layout.dp
-        skipped = self.engine.skipped_steps > skipped_before
+        skipped = skipped_steps(self.engine) > skipped_before
         if not skipped:
             self.scheduler.step(increment=1)
         grad_norm = self.engine.get_global_grad_norm()
         return {"loss": float(total.item()), "lr": lr,
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "update_skipped": 1.0 if skipped else 0.0}
+
+    def _loss(self, batch) -> torch.Tensor:
+        """Mean next-token loss over the micro-batch's unmasked tokens (the Megatron engine's)."""
+        per_token = self.engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        mask = batch["loss_mask"].view(-1).float()
+        return torch.sum(per_token.float().view(-1) * mask) / mask.sum()
+
+    @torch.no_grad()
+    def evaluate(self, round_index: int) -> float:
+        """Validation loss over `data.eval_iters` held-out global batches."""
+        from megatron.core import parallel_state as ps
+
+        self.engine.eval()
+        iters = self.cfg.data.eval_iters
+        total = torch.zeros(1, device=self.device)
+        for i in range(iters):
+            for batch in self.data.batches("valid", round_index * iters + i, self.dp_rank, self.layout.dp,
+                                           self.num_micro, self.device):
+                total += self._loss(batch)
+        self.engine.train()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        return float(total.item()) / (iters * self.num_micro * self.layout.dp)
+
+    def load(self, job_dir) -> None:
+        """Nothing to resume: `checkpoint.load`'s weights were read at build."""
+        return None
+
+    def save(self, step: int, root):
+        raise NotImplementedError("validation refuses checkpoint.save for DeepSpeed over tensor parallelism")
+
+    def summary_extras(self) -> dict:
+        return {}

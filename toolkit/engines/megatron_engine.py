@@ -7,9 +7,7 @@ optimizer for ZeRO stages 1-2) steps, and its scheduler sets the learning rate.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import time
 from functools import partial
 
 import torch
@@ -17,9 +15,6 @@ import torch.distributed as dist
 
 from ..data_source import make_source
 from ..layout import ParallelLayout
-from ..profiling import ProfileWindow
-from ..heartbeat import NO_PROGRESS
-from ..step_metrics import timed_step, write_memory_record
 from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
@@ -28,58 +23,13 @@ from .megatron_model import (
     build_model_chunks,
     choose_torch_native_paths,
     compile_layers,
+    compiled_graphs,
     spec_name,
     transformer_config_kwargs,
 )
 from .optimizer_schedule import lr_scheduler, optimizer_config
-from .timeouts import collective_timeout
-
-
-def init_parallel(cfg, layout: ParallelLayout):
-    """torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron-Core's process groups."""
-    from megatron.core import parallel_state as ps
-
-    on_cpu = cfg.cluster.device == "cpu"
-    if not on_cpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "gloo" if on_cpu else "nccl"
-    timeout = collective_timeout(cfg, backend)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout)
-    if dist.get_world_size() != layout.world_size:
-        raise RuntimeError(
-            f"torchrun started {dist.get_world_size()} processes but the plan has {layout.world_size}"
-        )
-    ps.initialize_model_parallel(**layout.megatron_sizes(), order=layout.order,
-                                 distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)))
-
-
-def observed_coordinates() -> dict:
-    """This rank's coordinates and group members as Megatron-Core actually built them."""
-    from megatron.core import parallel_state as ps
-
-    def members(group):
-        return dist.get_process_group_ranks(group)
-
-    return {
-        "rank": dist.get_rank(),
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-        "ep": ps.get_expert_model_parallel_rank(),
-        "etp": ps.get_expert_tensor_parallel_rank(),
-        "edp": ps.get_expert_data_parallel_rank(),
-        "groups": {
-            "tp": members(ps.get_tensor_model_parallel_group()),
-            "pp": members(ps.get_pipeline_model_parallel_group()),
-            "dp": members(ps.get_data_parallel_group()),
-            "cp": members(ps.get_context_parallel_group()),
-            "ep": members(ps.get_expert_model_parallel_group()),
-            "etp": members(ps.get_expert_tensor_parallel_group()),
-            "edp": members(ps.get_expert_data_parallel_group()),
-        },
-    }
+from .protocol import Resumed
+from .megatron_groups import init_parallel, observed_coordinates
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -250,68 +200,30 @@ class MegatronTrainer:
             m.train()
         return total / iters
 
+    def load(self, job_dir) -> Resumed:
+        ck = self.cfg.checkpoint
+        first_step, path = megatron_checkpoint.load(self, ck.load, weights_only=ck.weights_only, fallback=ck.fallback)
+        what = f"resuming after step {first_step}" if first_step else "weights only: training starts at step 0"
+        return Resumed(first_step, path, what)
 
-def run_training(cfg, layout: ParallelLayout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> None:
-    """Train `cfg.train.steps` steps; `on_step(step, metrics)` runs on the logging rank.
-    With `stop` (a StopRequest), a signal ends training after the step every rank is at,
-    saving a checkpoint first when `checkpoint.save` is set. `progress` (a Heartbeat)
-    hears of every step and phase on every rank."""
-    progress = progress or NO_PROGRESS
+    def save(self, step: int, root):
+        return megatron_checkpoint.save(self, step, root)
+
+    def summary_extras(self) -> dict:
+        if not self.cfg.engine.compile_layers:
+            return {}
+        return {"compiled_graphs": compiled_graphs()}  # in this process: 0 would mean nothing compiled
+
+
+@contextlib.contextmanager
+def open_trainer(cfg, layout: ParallelLayout, job_dir):
+    """Process groups, Megatron-Core's fixes (and CPU workarounds), then one rank's trainer;
+    the groups are destroyed when the loop is done."""
+    from megatron.core import parallel_state as ps
+
     apply_megatron_fixes()
-    on_cpu = cfg.cluster.device == "cpu"
-    ctx = cpu_compat() if on_cpu else contextlib.nullcontext()
-    with ctx:
+    with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
         init_parallel(cfg, layout)
-        trainer = MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
-        ck = cfg.checkpoint
-        first_step = 0
-        if ck.load:
-            started = time.perf_counter()
-            first_step, path = megatron_checkpoint.load(trainer, ck.load, weights_only=ck.weights_only,
-                                                        fallback=ck.fallback)
-            if dist.get_rank() == 0:
-                what = f"resuming after step {first_step}" if first_step else "weights only: training starts at step 0"
-                print(f"checkpoint  loaded {path} in {time.perf_counter() - started:.1f} s; {what}", flush=True)
-        if on_start is not None:
-            on_start(trainer)
-        window = ProfileWindow(cfg, job_dir or ".", dist.get_rank())
-        for step in range(first_step, cfg.train.steps):
-            window.before_step(step)
-            metrics = timed_step(trainer.train_step, step, on_cuda=not on_cpu)
-            progress.step_done(step, metrics["step_time_s"])
-            writes_trace = window.writes_after(step)
-            if writes_trace:  # a large trace takes minutes to write
-                progress.phase("profiling")
-            window.after_step(step, metrics["step_time_s"])
-            if writes_trace:
-                progress.phase("training")
-            done = step + 1
-            every = cfg.data.eval_interval
-            if every and (done % every == 0 or done == cfg.train.steps):
-                progress.phase("evaluating")  # its first forward-only pass may compile for minutes
-                metrics["val_loss"] = trainer.evaluate(done // every)
-                progress.phase("training")
-            if trainer.is_logging_rank:
-                on_step(step, metrics)
-            due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
-            signal = stop.agreed(trainer.device) if stop is not None else None
-            if ck.save and (due or signal):
-                started = time.perf_counter()
-                progress.phase("saving")
-                path = megatron_checkpoint.save(trainer, done, ck.save)
-                progress.phase("training")
-                if dist.get_rank() == 0:
-                    print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
-            if signal:
-                if dist.get_rank() == 0:
-                    print(f"stopped     by signal {signal} after step {step}"
-                          + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
-                break
-        progress.phase("finishing")
-        if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
-            write_memory_record(job_dir, dist.get_rank(), on_cuda=not on_cpu)
-        dist.barrier()
-        from megatron.core import parallel_state as ps
-
+        yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
         ps.destroy_model_parallel()
         dist.destroy_process_group()

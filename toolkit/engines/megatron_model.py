@@ -252,15 +252,20 @@ def compile_layers(chunks) -> None:
     every layer of the same shape. Where DDP's parameter-gather pre-hooks differ per layer
     (overlap_param_gather), each layer gets its own graph: dynamo's recompile limit (8 by
     default, after which layers silently run eagerly) is raised to cover every layer."""
-    import torch._dynamo
-
-    layers = sum(len(chunk.decoder.layers) for chunk in chunks)
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * layers + 8))
+    raise_recompile_limit(sum(len(chunk.decoder.layers) for chunk in chunks))
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile()
+
+
+def raise_recompile_limit(layers: int) -> None:
+    """Room for a graph per layer (and per layer's backward) before dynamo gives up and
+    runs layers eagerly without a word (its default limit is 8)."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * layers + 8))
 
 
 def compiled_graphs() -> int:

@@ -62,5 +62,3 @@ MOE_FIELDS = {
     "moe_router_topk": ("num_experts_per_tok", 2),
     "moe_aux_loss_coeff": ("router_aux_loss_coef", 1e-2),
 }
-DEEPSPEED_LLAMA_ONLY = ("engine=deepspeed without TP builds the Hugging Face Llama and Mixtral classes, whose "
-                        "parity with the Megatron engine is tested; the {family} family needs engine=megatron.")

@@ -87,9 +87,6 @@ class Family:
     megatron: dict = field(default_factory=dict)
     # Tiny random test models: name -> config-class arguments beyond tiny_models.SHAPE.
     tiny: dict = field(default_factory=dict)
-    # Why engine=deepspeed (a plain Hugging Face model under ZeRO, without TP) does not
-    # build this family; None where it does and is tested against the Megatron engine.
-    deepspeed_refusal: Optional[str] = None
 
     def __post_init__(self):
         for rule in self.weights:

@@ -1,6 +1,5 @@
 """Mistral (MistralForCausalLM): Llama's computation; only full attention (no sliding window) converts."""
-from .common import (ATTENTION, ATTENTION_OUT, DEEPSPEED_LLAMA_ONLY, DENSE_MLP, EMBEDDING, FINAL, NO_ATTENTION_BIAS,
-                     NO_SLIDING_WINDOW)
+from .common import ATTENTION, ATTENTION_OUT, DENSE_MLP, EMBEDDING, FINAL, NO_ATTENTION_BIAS, NO_SLIDING_WINDOW
 from .declaration import Family
 
 FAMILY = Family(
@@ -11,5 +10,4 @@ FAMILY = Family(
     refuses=(NO_ATTENTION_BIAS, NO_SLIDING_WINDOW),
     hf_export={"sliding_window": None},
     tiny={"mistral": {"sliding_window": None}},
-    deepspeed_refusal=DEEPSPEED_LLAMA_ONLY,
 )

@@ -1,6 +1,5 @@
 """Qwen2 and Qwen2.5 (Qwen2ForCausalLM): Llama with biases on q, k and v (none on the output projection)."""
-from .common import (ATTENTION, ATTENTION_OUT, DEEPSPEED_LLAMA_ONLY, DENSE_MLP, EMBEDDING, FINAL,
-                     NO_QWEN_SLIDING_WINDOW, QKV_BIAS)
+from .common import ATTENTION, ATTENTION_OUT, DENSE_MLP, EMBEDDING, FINAL, NO_QWEN_SLIDING_WINDOW, QKV_BIAS
 from .declaration import Family
 
 FAMILY = Family(
@@ -13,5 +12,4 @@ FAMILY = Family(
     hf_export={"use_sliding_window": False},
     megatron={"add_qkv_bias": True},
     tiny={"qwen2": {"tie_word_embeddings": True}},
-    deepspeed_refusal=DEEPSPEED_LLAMA_ONLY,
 )

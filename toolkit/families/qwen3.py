@@ -3,8 +3,8 @@ and a head size that need not be hidden_size / heads (Qwen3-0.6B: 16 heads of 12
 
 This file is the whole of gridwright's Qwen3 support: it was added as a declaration alone.
 """
-from .common import (ATTENTION, ATTENTION_OUT, DEEPSPEED_LLAMA_ONLY, DENSE_MLP, EMBEDDING, FINAL, NO_ATTENTION_BIAS,
-                     NO_QWEN_SLIDING_WINDOW, QK_NORM)
+from .common import (ATTENTION, ATTENTION_OUT, DENSE_MLP, EMBEDDING, FINAL, NO_ATTENTION_BIAS, NO_QWEN_SLIDING_WINDOW,
+                     QK_NORM)
 from .declaration import Family
 
 FAMILY = Family(
@@ -17,5 +17,4 @@ FAMILY = Family(
     megatron={"qk_layernorm": True},
     # head_dim 32 over hidden 64 / 4 heads: the decoupled head size is exercised.
     tiny={"qwen3": {"head_dim": 32, "tie_word_embeddings": True}},
-    deepspeed_refusal=DEEPSPEED_LLAMA_ONLY,
 )

@@ -7,8 +7,8 @@ Experts use moe_intermediate_size; intermediate_size only sizes dense layers, of
 a converted model has none (mlp_only_layers empty, decoder_sparse_step 1), so an export
 writes it equal to moe_intermediate_size.
 """
-from .common import (ATTENTION, ATTENTION_OUT, DEEPSPEED_LLAMA_ONLY, EMBEDDING, FINAL, L, MOE_FIELDS,
-                     NO_ATTENTION_BIAS, NO_QWEN_SLIDING_WINDOW, QK_NORM)
+from .common import (ATTENTION, ATTENTION_OUT, EMBEDDING, FINAL, L, MOE_FIELDS, NO_ATTENTION_BIAS,
+                     NO_QWEN_SLIDING_WINDOW, QK_NORM)
 from .declaration import Family, Refusal, Rule
 
 MOE = L + "mlp."
@@ -43,5 +43,4 @@ FAMILY = Family(
     megatron={"qk_layernorm": True},
     tiny={"qwen3_moe": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                         "norm_topk_prob": True}},
-    deepspeed_refusal=DEEPSPEED_LLAMA_ONLY,
 )

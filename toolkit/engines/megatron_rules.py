@@ -1,0 +1,66 @@
+"""The Megatron engine's rules: what it refuses before anything starts, and what it shards.
+Torch-free (validation and planning import it); see `protocol`."""
+from __future__ import annotations
+
+from .protocol import Capabilities, StateSharding
+from .zero_settings import explicit_deepspeed_only_keys
+
+NAME = "megatron"
+TRAINER_MODULE = "megatron_engine"
+CAPABILITIES = Capabilities(models_communication=True, grads_reduced_in_fp32=True)
+
+
+def state_sharding(zero) -> StateSharding:
+    """The distributed optimizer (stages 1 and 2 build the same run) shards the optimizer
+    state and fp32 main weights; its gradient buffer stays whole on every rank (the
+    reduce-scatter writes each rank's shard in place). Megatron-FSDP (stage 3) shards all."""
+    return StateSharding(optimizer=zero.stage >= 1, gradients=zero.stage >= 3, weights=zero.stage >= 3)
+
+
+def cuda_device_max_connections(cfg) -> int:
+    """Megatron-Core orders TP/SP communication before compute on one connection; the
+    symmetric-memory overlap (engine.tp_comm_overlap) needs its copy streams to run beside
+    compute, which one connection serialises (8 is CUDA's default)."""
+    return 8 if cfg.engine.tp_comm_overlap else 1
+
+
+def zero_settings(cfg) -> None:
+    """DeepSpeed's ZeRO settings the plan records: none (this engine reads none of them)."""
+    return None
+
+
+def problems(cfg, layout, for_launch: bool) -> list[str]:
+    z, out = cfg.zero, []
+    if z.stage == 3 and cfg.cluster.device != "cuda":
+        out.append(
+            "zero.stage=3 on engine=megatron is Megatron-FSDP, which needs CUDA (it places its "
+            "buffers on CUDA devices directly). Fix: zero.stage=1 or 2 on cpu, or engine=deepspeed.")
+    if z.stage == 3 and (cfg.checkpoint.save or cfg.checkpoint.load):
+        out.append(
+            "checkpoints under Megatron-FSDP (zero.stage=3) use another format (fsdp_dtensor) that "
+            "gridwright does not write yet. Fix: zero.stage=1 or 2 for checkpointed runs.")
+    if z.offload_optimizer or z.offload_params:
+        out.append(
+            "CPU offload is a DeepSpeed feature here (ZeRO-Offload); engine=megatron has no such mode in "
+            "gridwright. Fix: engine=deepspeed, or zero.offload_optimizer=false.")
+    if cfg.engine.overlap_param_gather and z.stage == 0:
+        out.append(
+            "engine.overlap_param_gather=true needs the distributed optimizer (zero.stage=1 or 2): "
+            "without sharding there is no parameter all-gather to overlap.")
+    keys = explicit_deepspeed_only_keys(cfg)
+    if keys:
+        out.append(f"{', '.join(f'zero.{k}' for k in keys)}: DeepSpeed's ZeRO settings, which engine=megatron does "
+                   "not read (its buckets are engine.bucket_size, its overlap engine.overlap_grad_reduce and "
+                   "engine.overlap_param_gather). Fix: drop them, or engine=deepspeed.")
+    return out
+
+
+def checkpoint_problems(cfg) -> list[str]:
+    """Why `checkpoint.load` cannot be resumed (or started from) by this engine."""
+    from ..checkpoint_dir import describe_problem
+
+    ck = cfg.checkpoint
+    if not ck.load or cfg.launcher.name != "local":
+        return []  # another launcher's files live on the cluster; the workers check them
+    problem = describe_problem(ck.load, cfg.model, fallback=ck.fallback, engine=NAME, trust=ck.trust_pickled_code)
+    return [problem] if problem else []

@@ -1,0 +1,73 @@
+"""What an engine is to the rest of gridwright: rules it declares before anything starts,
+and a trainer the one training loop (`training_loop`) drives. Neither side imports torch
+here, so validation and planning read the rules without loading an engine.
+
+An engine is a pair of modules:
+
+    <name>_rules    torch-free: `NAME`, `problems(cfg, layout, for_launch)` (every
+                    refusal of this engine, with its reason), `checkpoint_problems(cfg)`,
+                    `state_sharding(zero)` (what the ZeRO stage shards, for the memory
+                    estimate), `CAPABILITIES`.
+    <name>_engine   `open_trainer(cfg, layout, job_dir)`: a context manager that sets up
+                    process groups, yields a `Trainer`, and tears them down.
+
+`gridwright.engines.registry` is the one place that picks them by `engine.name`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, read by the planning tools instead of asking its name."""
+
+    models_communication: bool  # comm_model predicts its collectives (gridwright's α-β model)
+    grads_reduced_in_fp32: bool  # gradient buffers are fp32 whatever the params dtype
+
+
+@dataclass(frozen=True)
+class StateSharding:
+    """Which model states the ZeRO stage divides over data parallelism on this engine."""
+
+    optimizer: bool
+    gradients: bool
+    weights: bool
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a trainer's `load` left it: the first step to train, the checkpoint read and
+    what of it was taken (for the one line the loop prints)."""
+
+    first_step: int
+    path: Any
+    what: str
+
+
+class Trainer(Protocol):
+    """One rank of one engine. The loop calls these and nothing else."""
+
+    device: Any  # torch.device the step's tensors live on
+    is_logging_rank: bool  # the rank whose metrics stand for the step
+    spec_name: str  # the layer implementation that ran (summary)
+
+    def observed_coordinates(self) -> dict:
+        """This rank's coordinates and group members as built (checked against the plan)."""
+
+    def train_step(self, step: int) -> dict:
+        """One global batch: loss, lr, grad_norm, update_skipped."""
+
+    def evaluate(self, round_index: int) -> float:
+        """Validation loss over `data.eval_iters` held-out global batches."""
+
+    def load(self, job_dir) -> Resumed | None:
+        """Resume from (or start from the weights of) `checkpoint.load`; None when there is
+        nothing to load."""
+
+    def save(self, step: int, root) -> Any:
+        """Write a checkpoint of the state after `step` steps under `root`; its path."""
+
+    def summary_extras(self) -> dict:
+        """Facts about this run the summary adds (e.g. how many graphs were compiled)."""

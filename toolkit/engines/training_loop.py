@@ -1,0 +1,85 @@
+"""The one training loop, for every engine: resume, steps, the profiling window,
+evaluation, checkpoint saves, the agreed stop, step metrics and memory records.
+
+An engine supplies a trainer (`protocol.Trainer`) through its `open_trainer`; everything
+that happens between steps happens here, so a feature built here exists on every engine,
+and the numbers of two engines are taken by the same code.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+
+import torch.distributed as dist
+
+from ..heartbeat import NO_PROGRESS
+from ..profiling import ProfileWindow
+from ..step_metrics import timed_step, write_memory_record
+from .registry import rules
+
+
+def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> dict:
+    """Train `cfg.train.steps` steps on `cfg.engine.name`; `on_step(step, metrics)` runs on
+    the logging rank. With `stop` (a StopRequest), a signal ends training after the step
+    every rank is at, saving a checkpoint first when `checkpoint.save` is set. `progress`
+    (a Heartbeat) hears of every step and phase on every rank. Returns the trainer's
+    summary extras."""
+    progress = progress or NO_PROGRESS
+    engine = importlib.import_module(f"{__package__}.{rules(cfg).TRAINER_MODULE}")
+    with engine.open_trainer(cfg, layout, job_dir) as trainer:
+        _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
+        return trainer.summary_extras()
+
+
+def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
+    rank = dist.get_rank()
+    ck = cfg.checkpoint
+    first_step = 0
+    if ck.load:
+        started = time.perf_counter()
+        resumed = trainer.load(job_dir)
+        if resumed is not None:
+            first_step = resumed.first_step
+            if rank == 0:
+                print(f"checkpoint  loaded {resumed.path} in {time.perf_counter() - started:.1f} s; {resumed.what}",
+                      flush=True)
+    if on_start is not None:
+        on_start(trainer)
+    on_cuda = cfg.cluster.device == "cuda"
+    window = ProfileWindow(cfg, job_dir or ".", rank)
+    every = cfg.data.eval_interval
+    for step in range(first_step, cfg.train.steps):
+        window.before_step(step)
+        metrics = timed_step(trainer.train_step, step, on_cuda)
+        progress.step_done(step, metrics["step_time_s"])
+        writes_trace = window.writes_after(step)
+        if writes_trace:  # a large trace takes minutes to write
+            progress.phase("profiling")
+        window.after_step(step, metrics["step_time_s"])
+        if writes_trace:
+            progress.phase("training")
+        done = step + 1
+        if every and (done % every == 0 or done == cfg.train.steps):
+            progress.phase("evaluating")  # its first forward-only pass may compile for minutes
+            metrics["val_loss"] = trainer.evaluate(done // every)
+            progress.phase("training")
+        if trainer.is_logging_rank:
+            on_step(step, metrics)
+        due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
+        signal = stop.agreed(trainer.device) if stop is not None else None
+        if ck.save and (due or signal):
+            started = time.perf_counter()
+            progress.phase("saving")
+            path = trainer.save(done, ck.save)
+            progress.phase("training")
+            if rank == 0:
+                print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
+        if signal:
+            if rank == 0:
+                print(f"stopped     by signal {signal} after step {step}"
+                      + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
+            break
+    progress.phase("finishing")
+    if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
+        write_memory_record(job_dir, rank, on_cuda)
+    dist.barrier()

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from gridwright.engines.deepspeed_config import deepspeed_config
-from gridwright.engines.zero_settings import (explicit_deepspeed_only_keys, resolved_zero_settings,
-                                              zero_settings_problems)
+from gridwright.engines.zero_settings import (GRIDWRIGHT_KEYS, explicit_deepspeed_only_keys,
+                                              resolved_zero_settings, zero_settings_problems)
 from gridwright.layout import ParallelLayout
 
 DS = ["engine=deepspeed"]
@@ -18,16 +18,17 @@ def _resolved(compose, *overrides):
     return resolved_zero_settings(compose(*overrides))
 
 
-def test_bench_model_zero3_gets_the_hugging_face_auto_values(compose):
-    """bench_1b: hidden_size 2048 on one H100."""
-    h = 2048
+def test_bench_model_zero3_gets_deepspeeds_documented_defaults(compose):
+    """bench_1b on one H100: DeepSpeed's defaults, measured faster there than the Hugging
+    Face integration's sizes from hidden_size (zero_settings says by how much)."""
     assert _resolved(compose, "+experiment=bench_gpu", *DS, "zero=stage3") == {
         "overlap_comm": True,  # CUDA
         "contiguous_gradients": True,
-        "reduce_bucket_size": h * h,  # 4194304
-        "stage3_prefetch_bucket_size": 3774873,  # int(0.9 * h * h)
+        "reduce_bucket_size": 500_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000,
         "stage3_max_live_parameters": 1_000_000_000,
-        "stage3_param_persistence_threshold": 10 * h,  # 20480
+        "stage3_param_persistence_threshold": 100_000,
+        "stage3_leaf_layers": True,  # gridwright's: whole decoder layers fetched at once
         "zero_hpz_partition_size": 1,
         "zero_quantized_weights": False,
         "zero_quantized_gradients": False,
@@ -35,19 +36,18 @@ def test_bench_model_zero3_gets_the_hugging_face_auto_values(compose):
 
 
 def test_llama3_8b_values_per_stage(compose):
-    h = 4096
     assert _resolved(compose, *GPU8_8B, "zero=stage2") == {
-        "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": h * h,
+        "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 500_000_000,
         "allgather_bucket_size": 500_000_000}
     z3 = _resolved(compose, *GPU8_8B, "zero=stage3")
     assert (z3["reduce_bucket_size"], z3["stage3_prefetch_bucket_size"], z3["stage3_param_persistence_threshold"]) \
-        == (16777216, 15099494, 40960)
+        == (500_000_000, 50_000_000, 100_000)
     assert "allgather_bucket_size" not in z3  # ZeRO-3 does not read it
 
 
 def test_cpu_and_stage0_defaults(compose):
     z = _resolved(compose, *DS, "zero=stage1")  # tiny_llama on the laptop cluster
-    assert z["overlap_comm"] is False and z["reduce_bucket_size"] == 64 * 64
+    assert z["overlap_comm"] is False and z["reduce_bucket_size"] == 500_000_000
     assert _resolved(compose, *DS, "zero=stage0") == {}  # ZeRO-0 reads none of them
 
 
@@ -98,7 +98,8 @@ def test_json_is_accepted_by_deepspeeds_zero_config(compose, overrides):
     parsed = DeepSpeedZeroConfig(**zero)
     by_alias = parsed.model_dump(by_alias=True)
     for key, value in resolved_zero_settings(cfg).items():
-        assert by_alias[key] == value, key
+        if key not in GRIDWRIGHT_KEYS:  # those the engine applies itself
+            assert by_alias[key] == value, key
     assert int(parsed.stage) == cfg.zero.stage
 
 
@@ -109,18 +110,18 @@ def test_whole_json_is_accepted_by_deepspeeds_config_parser(compose):
     cfg = compose("+experiment=bench_gpu", *DS, "zero=stage3", "zero.reduce_bucket_size=12345")
     parsed = DeepSpeedConfig(deepspeed_config(cfg, ParallelLayout.from_config(cfg)))
     z = parsed.zero_config
-    assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (12345, 3774873, 20480)
+    assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (12345, 50_000_000, 100_000)
     assert z.overlap_comm is True and z.contiguous_gradients is True
 
 
 PROBLEMS = {
     # name: (overrides, substrings of one problem line)
     "reduce_bucket_zero": (DS + ["zero=stage2", "zero.reduce_bucket_size=0"],
-                           ["zero.reduce_bucket_size=0 must be a positive number of elements", "hidden_size^2"]),
+                           ["zero.reduce_bucket_size=0 must be a positive number of elements", "derived: 5e8"]),
     "allgather_bucket_negative": (DS + ["zero=stage1", "zero.allgather_bucket_size=-2"],
                                   ["zero.allgather_bucket_size=-2 must be a positive number"]),
     "prefetch_negative": (DS + ["zero=stage3", "zero.stage3_prefetch_bucket_size=-1"],
-                          ["zero.stage3_prefetch_bucket_size=-1 must be 0 or more", "0.9 * hidden_size^2"]),
+                          ["zero.stage3_prefetch_bucket_size=-1 must be 0 or more", "derived: 5e7"]),
     "persistence_negative": (DS + ["zero=stage3", "zero.stage3_param_persistence_threshold=-5"],
                              ["zero.stage3_param_persistence_threshold=-5 must be 0 or more"]),
     "hpz_zero": (DS + ["zero=stage3", "zero.zero_hpz_partition_size=0"],

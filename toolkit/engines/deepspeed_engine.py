@@ -64,15 +64,15 @@ class DeepSpeedTrainer:
 
         if cfg.train.recompute == "full":  # every layer's activations recomputed in the backward, as Megatron's "full"
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if model.is_gradient_checkpointing:  # read back from the model: what the summary reports is what runs
+        if model.is_activation_checkpointing:  # read back from the model: what the summary reports is what runs
             self.spec_name = "huggingface+recompute"
         self.spec_name += torch_native_paths(model, cfg)
         if resolved_zero_settings(cfg).get("stage3_leaf_layers"):
             # One fetch and one release per decoder layer rather than per linear: ZeRO-3's
             # hooks run on the host for every module, and the step was host-bound on them.
-            from deepspeed.utils import set_z3_leaf_modules
+            from ..deepspeed_internals.engine_state import gather_whole_layers
 
-            set_z3_leaf_modules(model, [type(model.model.layers[0])])
+            gather_whole_layers(model, type(model.model.layers[0]))
             self.spec_name += "+z3_leaf_layers"
         ds_cfg = deepspeed_config(cfg, layout, load_universal=resumes_through_universal(cfg, layout.dp))
         opt = optimizer_config(cfg)

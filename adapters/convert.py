@@ -545,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     guard_process(trust=getattr(args, "trust_pickled_code", False))  # before any checkpoint file is read
     untested = megatron_core_refusal()
+    if not untested and args.direction.startswith("deepspeed-"):
+        from ..deepspeed_version import refusal as deepspeed_refusal
+
+        untested = deepspeed_refusal()
     if untested:
         print(f"error: {untested}", file=sys.stderr)
         return EXIT_INVALID

@@ -122,6 +122,12 @@ ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_ds_zero1_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1"] + DS_BUCKETS),
     "bench_1b_ds_zero1_compiled": (2, BENCH_2GPU + DS + ["zero=stage1", "engine.compile_layers=true"] + DS_BUCKETS),
     "bench_1b_ds_zero2_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage2"] + DS_BUCKETS),
+    # DeepSpeed's ZeRO on the Megatron engine's own GPTModel: ZeRO against the distributed
+    # optimizer with the model held equal (both from the seed draw the same weights).
+    "bench_1b_dp2_distopt_baseline": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",
+                                                       "engine.overlap_param_gather=true"]),
+    "bench_1b_ds_zero1_megatron_model": (2, BENCH_2GPU + DS + ["zero=stage1", "engine.deepspeed_model=megatron"]),
+    "bench_1b_ds_zero2_megatron_model": (2, BENCH_2GPU + DS + ["zero=stage2", "engine.deepspeed_model=megatron"]),
     "bench_1b_tp2_sp_distopt": (2, BENCH_2GPU + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]),
     "bench_1b_ds_zero1_tp2_sp_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]
                                                    + DS_BUCKETS),

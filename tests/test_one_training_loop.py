@@ -78,3 +78,30 @@ def test_deepspeed_reads_indexed_data(run_launch, tmp_path):
     assert rows[7]["loss"] < rows[0]["loss"] - 0.5
     assert rows[3]["val_loss"] > rows[7]["val_loss"]
     assert any((tmp_path / "ds" / "data_cache").iterdir())  # Megatron-Core's dataset index, built for this run
+
+
+def losses(job: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def megatron_seed_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seed")
+    result = launch(["tracking=off", "train.steps=6", "zero=stage1", f"job_dir={root / 'megatron'}"], cwd=root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_on_megatrons_own_model_follows_the_megatron_engine(megatron_seed_run, stage):
+    """engine.deepspeed_model=megatron at TP=1: DeepSpeed's ZeRO against the distributed
+    optimizer with the model held equal (both draw it from the seed); measured identical."""
+    root = megatron_seed_run
+    job = root / f"zero{stage}"
+    result = launch(["tracking=off", "train.steps=6", "engine=deepspeed", f"zero=stage{stage}",
+                     "engine.deepspeed_model=megatron", f"job_dir={job}"], cwd=root)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    want = losses(root / "megatron")
+    assert want[-1] < want[0] - 0.1
+    assert losses(job) == pytest.approx(want, rel=1e-5)
+    assert json.loads((job / "summary.json").read_text())["layer_spec"] == "local+sdpa"

@@ -133,6 +133,10 @@ class ClusterConfig:
 @dataclass
 class EngineConfig:
     name: str = "megatron"  # megatron | deepspeed
+    # engine=deepspeed: which model DeepSpeed trains. huggingface: the transformers model of the
+    # family; megatron: Megatron-Core's GPTModel, the Megatron engine's own (ZeRO-1/2, any TP);
+    # auto: megatron with parallel.tp>1, else huggingface.
+    deepspeed_model: str = "auto"
     # Megatron-Core DDP: overlap the gradient reduce-scatter/all-reduce with backward, and
     # (distributed optimizer only) the parameter all-gather with the next forward.
     overlap_grad_reduce: bool = False

@@ -25,6 +25,7 @@ from ..data_source import make_source
 from ..deepspeed_internals.engine_state import data_parallel_group, skipped_steps
 from ..layout import ParallelLayout
 from .deepspeed_config import deepspeed_config
+from .deepspeed_rules import builds_megatron_model
 from .zero_settings import resolved_zero_settings
 from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
@@ -194,15 +195,15 @@ def torch_native_paths(model, cfg) -> str:
 
 @contextlib.contextmanager
 def open_trainer(cfg, layout: ParallelLayout, job_dir):
-    """One rank's DeepSpeed trainer: the Hugging Face model, or with `parallel.tp>1`
-    Megatron-Core's (deepspeed_tensor_parallel, with Megatron-Core's fixes and CPU
+    """One rank's DeepSpeed trainer: the Hugging Face model, or Megatron-Core's GPTModel
+    (engine.deepspeed_model; deepspeed_tensor_parallel, with Megatron-Core's fixes and CPU
     workarounds as in its own engine); process groups are destroyed at the end."""
     pending = extensions_to_build(cfg)
     if pending and os.environ.get("RANK", "0") == "0":
         print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
               "once; cached by torch afterwards)", flush=True)
     cache = os.path.join(job_dir or ".", "data_cache")
-    if layout.tp == 1:
+    if not builds_megatron_model(cfg):
         yield DeepSpeedTrainer(cfg, layout, cache)
         dist.destroy_process_group()
         return

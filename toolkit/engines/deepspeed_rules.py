@@ -4,8 +4,9 @@ and what each ZeRO stage shards. Torch-free (validation and planning import it);
 `protocol`.
 
 What runs: ZeRO 0-3 and CPU offload over plain data parallelism on a Hugging Face model
-(every family gridwright declares), or ZeRO-1/2 over Megatron-Core tensor parallelism
-(`parallel.tp>1`, with or without SP) through DeepSpeed's mpu interface.
+(every family gridwright declares), or ZeRO-1/2 on Megatron-Core's GPTModel, the Megatron
+engine's very model (`engine.deepspeed_model=megatron`; `auto` picks it with
+`parallel.tp>1`, with or without SP), through DeepSpeed's mpu interface.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .protocol import Capabilities, StateSharding
 from .zero_settings import resolved_zero_settings, zero_settings_problems
 
 NAME = "deepspeed"
+MODELS = ("auto", "huggingface", "megatron")  # engine.deepspeed_model
 TRAINER_MODULE = "deepspeed_engine"
 # DeepSpeed keeps gradients in the params dtype; gridwright's α-β model covers the
 # Megatron engine's collectives only (DeepSpeed's buckets and prefetch are its own).
@@ -26,6 +28,12 @@ def state_sharding(zero) -> StateSharding:
     """ZeRO as its paper defines it: stage 1 the optimizer state, 2 the gradients too, 3 the
     weights too."""
     return StateSharding(optimizer=zero.stage >= 1, gradients=zero.stage >= 2, weights=zero.stage >= 3)
+
+
+def builds_megatron_model(cfg) -> bool:
+    """Whether DeepSpeed trains Megatron-Core's GPTModel (else the Hugging Face model)."""
+    choice = cfg.engine.deepspeed_model
+    return choice == "megatron" or (choice == "auto" and cfg.parallel.tp > 1)
 
 
 def cuda_device_max_connections(cfg) -> int:
@@ -43,7 +51,13 @@ def zero_settings(cfg) -> dict:
 def problems(cfg, layout, for_launch: bool) -> list[str]:
     out = _layout_problems(cfg, layout) + zero_settings_problems(cfg, layout) + _feature_problems(cfg, layout)
     m = cfg.model
-    if layout.tp == 1 and m.rope_scaling_factor is not None:
+    if cfg.engine.deepspeed_model not in MODELS:
+        out.append(f"engine.deepspeed_model='{cfg.engine.deepspeed_model}' is not one of {', '.join(MODELS)}.")
+    elif cfg.engine.deepspeed_model == "huggingface" and layout.tp > 1:
+        out.append(f"engine.deepspeed_model=huggingface with parallel.tp={layout.tp}: the Hugging Face model has no "
+                   "tensor-parallel layers here; DeepSpeed over TP trains Megatron-Core's GPTModel. "
+                   "Fix: engine.deepspeed_model=auto (or megatron), or parallel.tp=1.")
+    if not builds_megatron_model(cfg) and m.rope_scaling_factor is not None:
         out.append("engine=deepspeed builds a plain Hugging Face model without rope scaling; Llama-3 rope "
                    "scaling needs engine=megatron.")
     if for_launch and cfg.launcher.name == "local":
@@ -63,7 +77,7 @@ def _layout_problems(cfg, layout) -> list[str]:
             "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
             "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
             "Fix: engine=megatron.")
-    if layout.tp == 1 and cfg.train.recompute == "selective":
+    if not builds_megatron_model(cfg) and cfg.train.recompute == "selective":
         out.append("train.recompute=selective is Megatron-Core's (attention's core only); the Hugging Face model "
                    "engine=deepspeed trains recomputes whole layers. Fix: train.recompute=full, or parallel.tp>1 "
                    "(Megatron-Core's GPTModel under DeepSpeed), or engine=megatron.")
@@ -80,27 +94,32 @@ def _layout_problems(cfg, layout) -> list[str]:
             "first real update is then about 0.7 x lr, and weight decay is applied once) and, in fp16, divides "
             "gradients by a loss scale the loss was never multiplied by (measured with deepspeed 0.19.8). "
             "Fix: zero.stage=1, or precision.params_dtype=fp32.")
-    if layout.tp > 1:
-        if z.stage == 3:
+    if builds_megatron_model(cfg) and layout.tp == 1 and z.stage in (0, 3):
+        out.append(f"engine.deepspeed_model=megatron with zero.stage={z.stage}: Megatron-Core's GPTModel runs under "
+                   "DeepSpeed's ZeRO-1/2 here (the stages verified against the Megatron engine). "
+                   "Fix: zero.stage=1 or 2, or engine.deepspeed_model=huggingface.")
+    if builds_megatron_model(cfg):
+        what = f"parallel.tp={layout.tp}" if layout.tp > 1 else "engine.deepspeed_model=megatron"
+        if z.stage == 3 and layout.tp > 1:
             out.append(
                 f"parallel.tp={layout.tp} with zero.stage=3: ZeRO-3 partitions whole parameters for data "
                 "parallelism and does not compose with Megatron-Core's tensor-parallel layers; DeepSpeed trains "
                 "tensor parallelism with ZeRO 0-2 only (deepspeedai/DeepSpeed#6523; its AutoTP documentation, "
                 "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
-        elif z.stage == 0:
+        elif z.stage == 0 and layout.tp > 1:
             out.append(f"parallel.tp={layout.tp} with zero.stage=0: engine=deepspeed runs tensor parallelism under "
                        "ZeRO-1/2 (its optimizer takes the gradient norm over TP shards). Fix: zero.stage=1.")
         if z.offload_optimizer or z.offload_params:
-            out.append(f"parallel.tp={layout.tp} with CPU offload is not built on engine=deepspeed: DeepSpeed's CPU "
+            out.append(f"{what} with CPU offload is not built on engine=deepspeed: DeepSpeed's CPU "
                        "Adam would step Megatron-Core's TP shards outside the mpu-aware gradient norm gridwright "
                        "checks against the Megatron engine, and no run of it was verified. "
                        "Fix: zero.offload_optimizer=false, or parallel.tp=1.")
         if cfg.model.num_experts:
-            out.append(f"parallel.tp={layout.tp} with experts (model.num_experts={cfg.model.num_experts}): DeepSpeed "
+            out.append(f"{what} with experts (model.num_experts={cfg.model.num_experts}): DeepSpeed "
                        "has no view of Megatron-Core's expert groups through its mpu interface (it would reduce "
                        "expert gradients over the whole data-parallel group). Fix: parallel.tp=1, or engine=megatron.")
         if cfg.checkpoint.save:
-            out.append(f"parallel.tp={layout.tp}: engine=deepspeed over Megatron-Core TP saves no checkpoints "
+            out.append(f"{what}: engine=deepspeed over Megatron-Core's GPTModel saves no checkpoints "
                        "(not built: DeepSpeed's files would hold Megatron-Core's TP shards without the sharded "
                        "metadata either converter reads). Fix: drop checkpoint.save, or engine=megatron.")
     return out
@@ -113,10 +132,11 @@ def _feature_problems(cfg, layout) -> list[str]:
         out.append("engine.tp_comm_overlap=true swaps the Megatron engine's TP linears for gridwright's "
                    "symmetric-memory ones; DeepSpeed over TP trains Megatron-Core's own linears. "
                    "Fix: engine=megatron, or tp_comm_overlap=false.")
-    if e.compile_layers and layout.tp > 1:
-        out.append("engine.compile_layers=true with parallel.tp>1 on engine=deepspeed would compile Megatron-Core's "
+    if e.compile_layers and builds_megatron_model(cfg):
+        out.append("engine.compile_layers=true with Megatron-Core's GPTModel under DeepSpeed would compile Megatron-Core's "
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "
-                   "refusal). Fix: compile_layers=false, or parallel.tp=1.")
+                   "refusal). Fix: compile_layers=false, or the Hugging Face model (parallel.tp=1, "
+                   "engine.deepspeed_model=auto).")
     if e.compile_layers and cfg.zero.stage == 3:
         out.append("engine.compile_layers=true with zero.stage=3: ZeRO-3 gathers each parameter in forward hooks "
                    "on every submodule, which torch.compile of a whole layer traces as graph breaks; DeepSpeed's "
@@ -127,10 +147,10 @@ def _feature_problems(cfg, layout) -> list[str]:
             out.append(f"FP8 recipe '{p.fp8_recipe}' through Transformer Engine needs Transformer Engine's layers; "
                        "engine=deepspeed trains Hugging Face (or Megatron-Core local) linears. "
                        "Fix: precision.fp8_backend=torchao with recipe tensorwise or rowwise, or engine=megatron.")
-        if layout.tp > 1:
-            out.append("FP8 on engine=deepspeed with parallel.tp>1 is not built (torchao's float8 linears replace "
+        if builds_megatron_model(cfg):
+            out.append("FP8 on engine=deepspeed with Megatron-Core's GPTModel is not built (torchao's float8 linears replace "
                        "the Hugging Face model's; Megatron-Core's TP linears get them on engine=megatron). "
-                       "Fix: parallel.tp=1, or engine=megatron.")
+                       "Fix: the Hugging Face model (parallel.tp=1, engine.deepspeed_model=auto), or engine=megatron.")
     return out
 
 
@@ -195,9 +215,9 @@ def checkpoint_problems(cfg) -> list[str]:
     ck = cfg.checkpoint
     if not ck.load:
         return []
-    if cfg.parallel.tp > 1:
+    if builds_megatron_model(cfg):
         problem = describe_problem(ck.load, cfg.model, engine="megatron", trust=ck.trust_pickled_code)
-        return [f"{problem} (engine=deepspeed with parallel.tp>1 starts from the weights of a Megatron-Core "
+        return [f"{problem} (engine=deepspeed on Megatron-Core's GPTModel starts from the weights of a Megatron-Core "
                 "checkpoint, such as hf-to-megatron writes.)"] if problem else []
     if not holds_checkpoints(ck.load):
         return initial_hf_weights_problems(ck.load, cfg.model)

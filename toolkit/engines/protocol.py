@@ -4,10 +4,12 @@ here, so validation and planning read the rules without loading an engine.
 
 An engine is a pair of modules:
 
-    <name>_rules    torch-free: `NAME`, `problems(cfg, layout, for_launch)` (every
-                    refusal of this engine, with its reason), `checkpoint_problems(cfg)`,
-                    `state_sharding(zero)` (what the ZeRO stage shards, for the memory
-                    estimate), `CAPABILITIES`.
+    <name>_rules    torch-free: `NAME`, `TRAINER_MODULE`, `CAPABILITIES`,
+                    `problems(cfg, layout, for_launch)` (every refusal of this engine,
+                    with its reason), `checkpoint_problems(cfg)`, `state_sharding(zero)`
+                    (what the ZeRO stage shards, for the memory estimate),
+                    `cuda_device_max_connections(cfg)` (the workers' hardware queues) and
+                    `zero_settings(cfg)` (the ZeRO settings the plan records, or None).
     <name>_engine   `open_trainer(cfg, layout, job_dir)`: a context manager that sets up
                     process groups, yields a `Trainer`, and tears them down.
 

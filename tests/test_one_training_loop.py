@@ -63,21 +63,29 @@ def test_deepspeed_trains_torchao_fp8_and_compiled_layers(start):
     assert got == pytest.approx(want, rel=2e-2) and got != want
 
 
-def test_deepspeed_reads_indexed_data(run_launch, tmp_path):
-    """Megatron-Core's indexed dataset under ZeRO: the same samples as the Megatron engine's
-    run of the same data (losses differ only by the engines' initial draws)."""
+def test_deepspeed_reads_indexed_data_as_the_megatron_engine_does(run_launch, tmp_path):
+    """Megatron-Core's indexed dataset (which masks padding in the loss) under ZeRO-2: on the
+    Megatron engine's own model DeepSpeed sees the same samples and the same masked loss,
+    step by step; the Hugging Face model trains on them too."""
     from gridwright.prepare_data import prepare
     from test_data import write_jsonl
 
     prepare([write_jsonl(tmp_path / "a.jsonl", 300, 0)], tmp_path / "a", "byte")
     data = ["data.kind=indexed", f"data.paths=[{tmp_path / 'a'}]", "model.vocab_size=264", "data.eval_interval=4",
-            "train.steps=8", "tracking=off", "engine=deepspeed", "zero=stage2"]
-    result = run_launch(*data, f"job_dir={tmp_path / 'ds'}")
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines())}
-    assert rows[7]["loss"] < rows[0]["loss"] - 0.5
-    assert rows[3]["val_loss"] > rows[7]["val_loss"]
-    assert any((tmp_path / "ds" / "data_cache").iterdir())  # Megatron-Core's dataset index, built for this run
+            "train.steps=8", "tracking=off"]
+    for name, overrides in (("megatron", ["zero=stage1"]),
+                            ("ds_megatron_model", ["engine=deepspeed", "zero=stage2", "engine.deepspeed_model=megatron"]),
+                            ("ds_hf", ["engine=deepspeed", "zero=stage2"])):
+        result = run_launch(*data, *overrides, f"job_dir={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-4000:]
+    rows = {name: {r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+            for name in ("megatron", "ds_megatron_model", "ds_hf")}
+    want = [rows["megatron"][s]["loss"] for s in range(8)]
+    assert [rows["ds_megatron_model"][s]["loss"] for s in range(8)] == pytest.approx(want, rel=1e-5)
+    assert rows["ds_megatron_model"][7]["val_loss"] == pytest.approx(rows["megatron"][7]["val_loss"], rel=1e-5)
+    hf = rows["ds_hf"]
+    assert hf[7]["loss"] < hf[0]["loss"] - 0.5 and hf[3]["val_loss"] > hf[7]["val_loss"]
+    assert any((tmp_path / "ds_hf" / "data_cache").iterdir())  # Megatron-Core's dataset index, built for this run
 
 
 def losses(job: Path) -> list[float]:

@@ -76,6 +76,26 @@ def _launched(kernel, at, correlation):
                      "args": {"correlation": correlation}}]
 
 
+def test_deepspeeds_unnamed_communicators_are_attributed_by_their_members(tmp_path):
+    """DeepSpeed's groups carry torch's "undefined" description and ZeRO-3 gathers over the
+    default group: with no Megatron-Core name in the trace, both are the planned DP group.
+    A member list that matches no planned group stays unknown, by its own name."""
+    events = [_kernel(0, 10), _comm(10, 5, desc="undefined"), _comm(20, 5, desc="default_pg"),
+              _comm(30, 5, desc="custom", ranks="[0, 3]")]
+    doc = analyze(_write_job(tmp_path, {0: events, 1: events}))
+    groups = doc["ranks"]["0"]["7"]["by_group"]
+    assert groups["dp"]["calls"] == 2 and groups["dp"]["bytes"] == 8000
+    assert set(groups) == {"dp", "custom"} and doc["unknown_groups"] == ["custom"]
+
+
+def test_the_default_group_beside_megatrons_groups_stays_the_world(tmp_path):
+    """In a Megatron-Core run the default group is not the data-parallel group, even when
+    its members are the same ranks."""
+    events = [_kernel(0, 10), _comm(10, 5), _comm(20, 5, desc="default_pg")]
+    groups = analyze(_write_job(tmp_path, {0: events, 1: events}))["ranks"]["0"]["7"]["by_group"]
+    assert groups["dp"]["calls"] == 1 and groups["world"]["calls"] == 1
+
+
 def test_host_wait_is_the_idle_time_before_the_next_launch(tmp_path):
     # rank 0: kernel A [0,10) launched at -3; kernel B [20,30) launched at 16: the GPU idled
     # [10,20) and nothing was queued until 16 -> 6 us host wait. Kernel C [34,38) was launched

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import runpy
 import sys
 from pathlib import Path
+
+from .version_fence import VersionFence
 
 TESTED = "0.19.8"
 OVERRIDE = "GRIDWRIGHT_UNTESTED_DEEPSPEED"  # =1: try another version anyway, loudly
@@ -60,36 +61,8 @@ def installed_version() -> str | None:
         return None
 
 
-def version_problem(version: str | None = None) -> str | None:
-    """One line naming the problem with `version` (default: the installed one), or None."""
-    version = installed_version() if version is None else version
-    if version == TESTED:
-        return None
-    found = "is not installed" if version is None else f"{version} is installed"
-    return (f"DeepSpeed {found}; gridwright is tested with deepspeed=={TESTED} only (its repairs, private calls "
-            f"and checkpoint handling are that release's). Fix: pip install deepspeed=={TESTED}, or set "
-            f"{OVERRIDE}=1 to try anyway.")
-
-
-def _overridden() -> bool:
-    return os.environ.get(OVERRIDE) == "1"
-
-
-def refusal(version: str | None = None) -> str | None:
-    """The problem with `version` that stops gridwright, or None: an untested version does
-    not stop it while the override is set (refuse_untested then warns)."""
-    problem = version_problem(version)
-    return None if _overridden() else problem
-
-
-def refuse_untested(version: str | None = None) -> None:
-    """Raise UntestedDeepSpeed for an untested version, unless the override is set: then
-    warn on stderr and go on (the fence's import calls it once per process)."""
-    problem = version_problem(version)
-    if problem is None:
-        return
-    if not _overridden():
-        raise UntestedDeepSpeed(problem)
-    print(f"WARNING: {OVERRIDE}=1: {problem.split(';')[0]}, untested; repairs in gridwright.deepspeed_internals "
-          "may no longer fit it. Compare a run against one on the tested release before trusting it.",
-          file=sys.stderr, flush=True)
+FENCE = VersionFence("DeepSpeed", "deepspeed", TESTED, OVERRIDE, "its repairs, private calls and checkpoint handling",
+                     "gridwright.deepspeed_internals", lambda: installed_version(), UntestedDeepSpeed)
+version_problem = FENCE.version_problem
+refusal = FENCE.refusal
+refuse_untested = FENCE.refuse_untested

@@ -9,10 +9,11 @@ reads the version, so validation can refuse before start without importing the e
 from __future__ import annotations
 
 import importlib.util
-import os
 import runpy
 import sys
 from pathlib import Path
+
+from .version_fence import VersionFence
 
 TESTED = "0.16.1"
 OVERRIDE = "GRIDWRIGHT_UNTESTED_MEGATRON_CORE"  # =1: try another version anyway, loudly
@@ -36,36 +37,8 @@ def installed_version() -> str | None:
     return None
 
 
-def version_problem(version: str | None = None) -> str | None:
-    """One line naming the problem with `version` (default: the installed one), or None."""
-    version = installed_version() if version is None else version
-    if version == TESTED:
-        return None
-    found = "is not installed" if version is None else f"{version} is installed"
-    return (f"Megatron-Core {found}; gridwright is tested with megatron-core=={TESTED} only (its patches and "
-            f"checkpoint format are that release's). Fix: pip install megatron-core=={TESTED}, or set "
-            f"{OVERRIDE}=1 to try anyway.")
-
-
-def _overridden() -> bool:
-    return os.environ.get(OVERRIDE) == "1"
-
-
-def refusal(version: str | None = None) -> str | None:
-    """The problem with `version` that stops gridwright, or None: an untested version does
-    not stop it while the override is set (refuse_untested then warns)."""
-    problem = version_problem(version)
-    return None if _overridden() else problem
-
-
-def refuse_untested(version: str | None = None) -> None:
-    """Raise UntestedMegatronCore for an untested version, unless the override is set:
-    then warn on stderr, once per process, and go on."""
-    problem = version_problem(version)
-    if problem is None:
-        return
-    if not _overridden():
-        raise UntestedMegatronCore(problem)
-    print(f"WARNING: {OVERRIDE}=1: {problem.split(';')[0]}, untested; patches in gridwright.megatron_internals "
-          "may no longer fit it. Compare a run against one on the tested release before trusting it.",
-          file=sys.stderr, flush=True)
+FENCE = VersionFence("Megatron-Core", "megatron-core", TESTED, OVERRIDE, "its patches and checkpoint format",
+                     "gridwright.megatron_internals", lambda: installed_version(), UntestedMegatronCore)
+version_problem = FENCE.version_problem
+refusal = FENCE.refusal
+refuse_untested = FENCE.refuse_untested

@@ -34,11 +34,11 @@ def plan_record(cfg, layout, placement) -> dict:
         "layout": {**asdict(layout), "dp": layout.dp, "expert_dp": layout.expert_dp, "slug": layout.slug()},
         "groups": {k: v.tolist() for k, v in placement.groups.items()},
         "predicted_communication": None,
-        # The ZeRO settings DeepSpeed runs with (conf/zero, null keys derived from the model);
-        # None on engine=megatron, which reads none of them.
+        # The ZeRO settings DeepSpeed runs with (conf/zero, null keys resolved to DeepSpeed's
+        # defaults); None on engine=megatron, which reads none of them.
         "zero_settings": rules(cfg).zero_settings(cfg),
     }
-    if cfg.cluster.comm_profile:
+    if cfg.cluster.comm_profile and rules(cfg).CAPABILITIES.models_communication:
         from .comm_model import CommProfile, predict_step_communication
 
         doc["comm_profile"] = cfg.cluster.comm_profile

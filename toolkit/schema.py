@@ -62,8 +62,9 @@ class ZeroConfig:
     """Optimizer-state sharding, named after DeepSpeed's ZeRO stages.
 
     The keys after the offloads are DeepSpeed's own ZeRO settings (engine=deepspeed only;
-    engine=megatron refuses them). None means DeepSpeed's documented default (overlap_comm:
-    on CUDA only; stage3_leaf_layers, gridwright's: true); the values that
+    engine=megatron refuses them). None means DeepSpeed's documented default, except
+    overlap_comm: on with CUDA at every stage (DeepSpeed's own: on at stage 3 only), off on
+    CPU; stage3_leaf_layers, gridwright's: true. The values that
     run are gridwright.engines.zero_settings.resolved_zero_settings (plan.json: zero_settings).
     """
 

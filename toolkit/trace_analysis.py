@@ -89,10 +89,12 @@ PLACEMENT_KIND_OF_DESCRIPTION = {
     "MODEL_PARALLEL_GROUP": "mp",
 }
 # Communicators with a description Megatron-Core did not give (DeepSpeed's groups are
-# torch's "undefined"; a user's own), and the default group (ZeRO-3 gathers over it when
-# it is the data-parallel group), are attributed by their members: the planned group of
-# this rank with the same members, tried in this order (with TP=1 the expert-DP group of
-# a dense model is the DP group, and DP is what it stands for).
+# torch's "undefined"; a user's own) are attributed by their members: the planned group
+# of this rank with the same members, tried in this order (with TP=1 the expert-DP group
+# of a dense model is the DP group, and DP is what it stands for). So is the default
+# group in a trace where no communicator has a Megatron-Core name (DeepSpeed on its
+# Hugging Face model, whose ZeRO-3 gathers over it); beside Megatron's groups it stays
+# "world".
 KINDS_BY_MEMBERS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Int": 4, "Long": 8, "Byte": 1, "Char": 1}
 
@@ -204,6 +206,7 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
         raise TraceError(f"{path}: unreadable trace ({e})") from e
     rank = int(doc.get("distributedInfo", {}).get("rank", re.findall(r"\d+", path.name)[0]))
     steps, compute, collectives, unknown = {}, [], [], set()
+    megatron_named = False  # whether any communicator carries a Megatron-Core group name
     launch_ts, activity = {}, []  # correlation id -> host launch time; (start, correlation id)
     for e in doc.get("traceEvents", []):
         if e.get("ph") != "X":
@@ -224,10 +227,11 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
                     # Megatron-Core they come from the pipeline schedule.
                     group = "pp" if layout_pp > 1 else "unattributed"
                     desc = "p2p"
-                elif desc in GROUP_OF_DESCRIPTION and desc != "default_pg":
+                elif desc in GROUP_OF_DESCRIPTION:
                     group = GROUP_OF_DESCRIPTION[desc]
+                    megatron_named |= desc != "default_pg"
                 else:
-                    group = group_by_members(a.get("Process Group Ranks"), planned or {}) or GROUP_OF_DESCRIPTION.get(desc)
+                    group = group_by_members(a.get("Process Group Ranks"), planned or {})
                     if group is None:
                         group = desc.lower()
                         unknown.add(desc)
@@ -241,6 +245,11 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
                     if desc == "p2p" else f"{desc} {a.get('Process Group Ranks', '')}", size))
             else:
                 compute.append(span)
+    if not megatron_named:  # DeepSpeed's own groups: ZeRO-3 gathers over the default group
+        for c in collectives:
+            desc, _, ranks = c.communicator.partition(" ")
+            if desc == "default_pg":
+                c.group = group_by_members(ranks, planned or {}) or c.group
     activity.sort(key=lambda a: a[0])
     starts = np.array([a[0] for a in activity], dtype=np.float64)
     launches = np.array([launch_ts.get(c, np.nan) for _, c in activity], dtype=np.float64) if launch_ts else None

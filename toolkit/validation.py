@@ -299,6 +299,7 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
     """What this machine lacks for the run's FP8: said before a local launch, and by every
     worker at start (a Slurm or torchrun job's nodes are seen only by its workers)."""
     p = cfg.precision
+    te_available = te_available and rules(cfg).builds_megatron_layer_spec(cfg)  # else TE is never built
     backend = fp8_backend(p, te_available)
     if backend is None or backend == "transformer_engine" and te_available:
         return []
@@ -376,6 +377,8 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     e = cfg.engine
     if e.cuda_device_max_connections is not None and not 1 <= e.cuda_device_max_connections <= 32:
         return [f"engine.cuda_device_max_connections={e.cuda_device_max_connections} must be 1 to 32 (or null)."]
+    if not (is_known(cfg) and rules(cfg).CAPABILITIES.megatron_torch_native_paths):
+        return []  # the engine's own rules say what it compiles
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]
@@ -395,7 +398,7 @@ def torch_native_machine_problems(cfg, te_available: bool) -> list[str]:
     """The torch-native paths asked for where Transformer Engine imports (its spec is then
     used): said before a local launch, and by every worker at start."""
     keys = _torch_native_keys_on(cfg.engine)
-    if not (te_available and keys):
+    if not (te_available and keys and rules(cfg).builds_megatron_layer_spec(cfg)):
         return []
     return [f"{', '.join(f'engine.{k}=true' for k in keys)} applies to the torch-native layer spec; Transformer "
             "Engine imports here, so its spec is used, which gridwright does not compile or overlap: turn it off."]

@@ -11,7 +11,7 @@ def deepspeed_config(cfg, layout: ParallelLayout, load_universal: bool = False) 
     """DeepSpeed's JSON config for this experiment; `load_universal` when it resumes a
     checkpoint saved at another data-parallel size (deepspeed_checkpoint)."""
     t, z, p = cfg.train, cfg.zero, cfg.precision
-    # The ZeRO settings the stage reads (conf/zero; null keys derived from the model, see
+    # The ZeRO settings the stage reads (conf/zero; null keys resolved to DeepSpeed's defaults, see
     # zero_settings); ZeRO++ keys only when on, so that a config without them reads as before.
     zero = {"stage": z.stage, **{k: v for k, v in resolved_zero_settings(cfg).items()
                                  if k not in GRIDWRIGHT_KEYS and (k not in ZEROPP_OFF or v != ZEROPP_OFF[k])}}

@@ -25,6 +25,7 @@ from ..data_source import make_source
 from ..deepspeed_internals.engine_state import data_parallel_group, skipped_steps
 from ..layout import ParallelLayout
 from .deepspeed_config import deepspeed_config
+from .deepspeed_evaluation import held_out_loss
 from .deepspeed_rules import builds_megatron_model
 from .zero_settings import resolved_zero_settings
 from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
@@ -127,20 +128,9 @@ class DeepSpeedTrainer:
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "update_skipped": 1.0 if skipped else 0.0}
 
-    @torch.no_grad()
     def evaluate(self, round_index: int) -> float:
-        """Validation loss over `data.eval_iters` held-out global batches (the language-model
-        loss alone, as the Megatron engine reports it)."""
-        self.engine.eval()
-        iters = self.cfg.data.eval_iters
-        total = torch.zeros(1, device=self.device)
-        for i in range(iters):
-            for batch in self.data.batches("valid", round_index * iters + i, self.dp_rank, self.layout.dp,
-                                           self.num_micro, self.device):
-                total += causal_lm_loss(self.engine, batch, self.cfg.model)[0]
-        self.engine.train()
-        dist.all_reduce(total)
-        return float(total.item()) / (iters * self.num_micro * dist.get_world_size())
+        """Validation loss: the language-model loss alone, as the Megatron engine reports it."""
+        return held_out_loss(self, round_index, lambda batch: causal_lm_loss(self.engine, batch, self.cfg.model)[0])
 
     def load(self, job_dir) -> Resumed | None:
         """Resume this engine's own checkpoint root (a Hugging Face folder was read at build)."""

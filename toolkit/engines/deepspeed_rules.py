@@ -21,7 +21,8 @@ MODELS = ("auto", "huggingface", "megatron")  # engine.deepspeed_model
 TRAINER_MODULE = "deepspeed_engine"
 # DeepSpeed keeps gradients in the params dtype; gridwright's α-β model covers the
 # Megatron engine's collectives only (DeepSpeed's buckets and prefetch are its own).
-CAPABILITIES = Capabilities(models_communication=False, grads_reduced_in_fp32=False)
+CAPABILITIES = Capabilities(models_communication=False, grads_reduced_in_fp32=False,
+                            megatron_torch_native_paths=False)
 
 
 def state_sharding(zero) -> StateSharding:
@@ -34,6 +35,12 @@ def builds_megatron_model(cfg) -> bool:
     """Whether DeepSpeed trains Megatron-Core's GPTModel (else the Hugging Face model)."""
     choice = cfg.engine.deepspeed_model
     return choice == "megatron" or (choice == "auto" and cfg.parallel.tp > 1)
+
+
+def builds_megatron_layer_spec(cfg) -> bool:
+    """Megatron-Core's layer spec only on its GPTModel; the Hugging Face model never uses
+    Transformer Engine, whatever is installed."""
+    return builds_megatron_model(cfg)
 
 
 def cuda_device_max_connections(cfg) -> int:
@@ -137,6 +144,10 @@ def _feature_problems(cfg, layout) -> list[str]:
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "
                    "refusal). Fix: compile_layers=false, or the Hugging Face model (parallel.tp=1, "
                    "engine.deepspeed_model=auto).")
+    if p.fp8_recipe is not None and cfg.zero.stage == 3:
+        out.append("FP8 (precision.fp8_recipe) with zero.stage=3: torchao's float8 linears keep a view of the "
+                   "whole weight for the backward, which ZeRO-3's release of gathered parameters does not free, "
+                   "and no run of it was verified. Fix: zero.stage=1 or 2, or engine=megatron.")
     if e.compile_layers and cfg.zero.stage == 3:
         out.append("engine.compile_layers=true with zero.stage=3: ZeRO-3 gathers each parameter in forward hooks "
                    "on every submodule, which torch.compile of a whole layer traces as graph breaks; DeepSpeed's "

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..data_source import make_source
 from ..deepspeed_internals.engine_state import skipped_steps
 from ..layout import ParallelLayout
+from .deepspeed_evaluation import held_out_loss
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
 
 
@@ -183,21 +184,11 @@ class DeepSpeedTensorParallelTrainer:
         mask = batch["loss_mask"].view(-1).float()
         return torch.sum(per_token.float().view(-1) * mask) / mask.sum()
 
-    @torch.no_grad()
     def evaluate(self, round_index: int) -> float:
         """Validation loss over `data.eval_iters` held-out global batches."""
         from megatron.core import parallel_state as ps
 
-        self.engine.eval()
-        iters = self.cfg.data.eval_iters
-        total = torch.zeros(1, device=self.device)
-        for i in range(iters):
-            for batch in self.data.batches("valid", round_index * iters + i, self.dp_rank, self.layout.dp,
-                                           self.num_micro, self.device):
-                total += self._loss(batch)
-        self.engine.train()
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        return float(total.item()) / (iters * self.num_micro * self.layout.dp)
+        return held_out_loss(self, round_index, self._loss, group=ps.get_data_parallel_group())
 
     def load(self, job_dir) -> None:
         """Nothing to resume: `checkpoint.load`'s weights were read at build."""

@@ -148,10 +148,13 @@ def load_balancing_loss(m, router_logits) -> torch.Tensor:
 
 def causal_lm_loss(model, batch, m) -> tuple[torch.Tensor, torch.Tensor]:
     """(the language-model loss to report, the objective to differentiate) of one
-    micro-batch: the mean next-token cross-entropy over the batch, as the Megatron engine
-    reports it, plus Megatron-Core's load-balancing loss for a mixture of experts."""
+    micro-batch: the mean next-token cross-entropy over the tokens `loss_mask` keeps, as
+    the Megatron engine computes it (Megatron-Core's indexed dataset masks padding, whose
+    labels it rewrites), plus Megatron-Core's load-balancing loss for a mixture of experts."""
     moe = m.num_experts > 0
     out = model(input_ids=batch["tokens"], **({"output_router_logits": True} if moe else {}))
     logits = out.logits
-    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1))
+    per_token = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1), reduction="none")
+    mask = batch["loss_mask"].view(-1).float()
+    loss = torch.sum(per_token * mask) / mask.sum()
     return loss, (loss + load_balancing_loss(m, out.router_logits) if moe else loss)

@@ -7,7 +7,7 @@ from .zero_settings import explicit_deepspeed_only_keys
 
 NAME = "megatron"
 TRAINER_MODULE = "megatron_engine"
-CAPABILITIES = Capabilities(models_communication=True, grads_reduced_in_fp32=True)
+CAPABILITIES = Capabilities(models_communication=True, grads_reduced_in_fp32=True, megatron_torch_native_paths=True)
 
 
 def state_sharding(zero) -> StateSharding:
@@ -15,6 +15,11 @@ def state_sharding(zero) -> StateSharding:
     state and fp32 main weights; its gradient buffer stays whole on every rank (the
     reduce-scatter writes each rank's shard in place). Megatron-FSDP (stage 3) shards all."""
     return StateSharding(optimizer=zero.stage >= 1, gradients=zero.stage >= 3, weights=zero.stage >= 3)
+
+
+def builds_megatron_layer_spec(cfg) -> bool:
+    """Megatron-Core's layer spec: Transformer Engine's where it imports, else torch-native."""
+    return True
 
 
 def cuda_device_max_connections(cfg) -> int:

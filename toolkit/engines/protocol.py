@@ -8,7 +8,9 @@ An engine is a pair of modules:
                     `problems(cfg, layout, for_launch)` (every refusal of this engine,
                     with its reason), `checkpoint_problems(cfg)`, `state_sharding(zero)`
                     (what the ZeRO stage shards, for the memory estimate),
-                    `cuda_device_max_connections(cfg)` (the workers' hardware queues) and
+                    `builds_megatron_layer_spec(cfg)` (whether Transformer Engine's
+                    presence changes what is built), `cuda_device_max_connections(cfg)`
+                    (the workers' hardware queues) and
                     `zero_settings(cfg)` (the ZeRO settings the plan records, or None).
     <name>_engine   `open_trainer(cfg, layout, job_dir)`: a context manager that sets up
                     process groups, yields a `Trainer`, and tears them down.
@@ -27,6 +29,9 @@ class Capabilities:
 
     models_communication: bool  # comm_model predicts its collectives (gridwright's α-β model)
     grads_reduced_in_fp32: bool  # gradient buffers are fp32 whatever the params dtype
+    # engine.compile_layers / tp_comm_overlap follow the Megatron engine's rules (the torch-native
+    # spec); an engine without them states its own in its rules
+    megatron_torch_native_paths: bool
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ ZeRO tutorial, https://www.deepspeed.ai/tutorials/zero/, uses the same 5e8 bucke
 
 - `reduce_bucket_size` and `allgather_bucket_size` 5e8 elements, `stage3_prefetch_bucket_size`
   5e7, `stage3_param_persistence_threshold` 1e5, `stage3_max_live_parameters` 1e9;
-- `overlap_comm` true on CUDA (false on CPU, where there are no streams to overlap on) and
+- `overlap_comm` true on CUDA at every stage (DeepSpeed's own default: stage 3 only; false on
+  CPU, where there are no streams to overlap on) and
   `contiguous_gradients` true, as in every example config of both documentations;
 - ZeRO++ off: `zero_hpz_partition_size` 1, `zero_quantized_weights` and
   `zero_quantized_gradients` false;

@@ -68,16 +68,22 @@ def test_moe_counts_only_active_experts(compose):
     assert 2 * dense_equivalent < fwd < 2 * total_experts
 
 
-def test_zero_stages_shrink_memory_in_order(compose):
-    totals = []
-    for stage in (0, 1, 2, 3):
-        cfg = compose("+experiment=llama3_8b", f"zero=stage{stage}")
+def test_zero_stages_shrink_memory_as_each_engine_shards(compose):
+    """DeepSpeed shards as the ZeRO paper does (1: optimizer, 2: + gradients, 3: + weights).
+    Megatron's distributed optimizer is the same run at stages 1 and 2: its gradient buffer
+    stays whole, so the two get the same estimate; Megatron-FSDP (3) shards everything."""
+    def states(engine, stage):
+        cfg = compose("+experiment=llama3_8b", f"engine={engine}", f"zero=stage{stage}")
         est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
-        totals.append((est.weights_gib, est.grads_gib, est.optimizer_gib))
-    (w0, g0, o0), (w1, g1, o1), (w2, g2, o2), (w3, g3, o3) = totals
+        return est.weights_gib, est.grads_gib, est.optimizer_gib
+
+    (w0, g0, o0), (w1, g1, o1), (w2, g2, o2), (w3, g3, o3) = (states("deepspeed", s) for s in (0, 1, 2, 3))
     assert o1 == pytest.approx(o0 / 8) and g1 == g0 and w1 == w0
     assert g2 == pytest.approx(g0 / 8) and w2 == w0
     assert w3 == pytest.approx(w0 / 8)
+    m1, m2, m3 = (states("megatron", s) for s in (1, 2, 3))
+    assert m1 == m2 and m1[1] > g1  # whole fp32 gradient buffer (DeepSpeed's are bf16)
+    assert m3[0] == pytest.approx(m1[0] / 8) and m3[1] == pytest.approx(m1[1] / 8)
 
 
 def test_recompute_shrinks_activations(compose):

@@ -38,7 +38,7 @@ BROKEN = {
     "deepspeed_pp": (["engine=deepspeed", "zero=stage2", "parallel.pp=2"],
                      ["ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", "Megatron-DeepSpeed#474"]),
     "deepspeed_tp_checkpoints": (["engine=deepspeed", "zero=stage1", "parallel.tp=2", "checkpoint.save=/tmp/gw-x"],
-                                 ["engine=deepspeed over Megatron-Core TP saves no checkpoints"]),
+                                 ["engine=deepspeed over Megatron-Core's GPTModel saves no checkpoints"]),
     "tp_overlap_without_sp": (["parallel.tp=2", "engine.tp_comm_overlap=true"],
                               ["engine.tp_comm_overlap=true", "parallel.sp=true"]),
     "deepspeed_megatron_model_zero3": (["engine=deepspeed", "zero=stage3", "engine.deepspeed_model=megatron"],

@@ -67,8 +67,9 @@ def tables(sweep_dir: Path) -> str:
             f"{s.get('memory_peak_gib', 0):.2f} ({s.get('memory_peak_rank', '')}) | "
             f"{s.get('memory_estimate_allocated_gib', 0):.2f} | {estimate_now(job):.2f} |")
         for kind, k in sorted(m.get("by_kind", {}).items()):
+            size = "n/a" if k.get("bytes") is None else f"{k['bytes'] / 1e6:,.0f}"  # p2p kernels record none
             kind_rows.append(f"| {name} | {kind} | {ms(k.get('comm_s'))} | {ms(k.get('wait_s'))} | {ms(k.get('exposed_s'))} | "
-                             f"{k.get('calls', 0):.0f} | {k.get('bytes', 0) / 1e6:,.0f} |")
+                             f"{k.get('calls', 0):.0f} | {size} |")
         predicted = c.get("predicted") or {}
         for group in sorted(set(m.get("by_group", {})) | set(predicted)):
             g = m.get("by_group", {}).get(group, {})

@@ -279,3 +279,22 @@ def test_committed_gpu_sweep_syncs_with_distinct_names_and_its_measurements(tmp_
     tp = runs["eval_bench tp2-sp-dp1 eval_tp2_sp"].data.metrics
     assert tp["summary.mfu"] < tp["summary.mfu_palm"]
     assert tp["summary.communication.by_group.tp.predicted_bytes"] == tp["summary.communication.by_group.tp.bytes"]
+
+
+@pytest.mark.parametrize("sweep", ["eval_sweep_2xh100_20261126-1201", "engines_sweep_2xh200_20261127-2346"])
+def test_committed_gpu_sweeps_give_their_results_tables(sweep):
+    """The results file of each committed GPU sweep: every point's engine, host wait and
+    communication per kind (pipeline send/recv, which records no sizes, says n/a)."""
+    from gridwright.evaluations.eval_results import tables
+
+    text = tables(Path(__file__).resolve().parents[1] / "evaluations" / "results" / sweep)
+    points = [line for line in text.splitlines() if line.startswith("| ") and "dp" in line.split("|")[1]]
+    assert points and "## Communication per kind" in text
+    if sweep.startswith("engines"):
+        assert "GPU: 2 x NVIDIA_H200" in text
+        assert {"megatron ZeRO-1", "megatron ZeRO-3", "deepspeed ZeRO-1", "deepspeed ZeRO-2", "deepspeed ZeRO-3",
+                "deepspeed ZeRO-2+offload"} <= {cell.strip() for line in text.splitlines() for cell in line.split("|")}
+        zero3 = next(line for line in text.splitlines() if "deepspeed ZeRO-3 |" in line)
+        assert zero3.split("|")[13].strip() == "233.9"  # host wait ms, from the sweep's traces
+    else:
+        assert "| send_recv |" in text and "n/a" in text

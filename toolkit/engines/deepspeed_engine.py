@@ -147,13 +147,6 @@ class DeepSpeedTrainer:
 
         return deepspeed_checkpoint.save(self, step, root)
 
-    def summary_extras(self) -> dict:
-        if not self.cfg.engine.compile_layers:
-            return {}
-        from .megatron_model import compiled_graphs
-
-        return {"compiled_graphs": compiled_graphs()}  # in this process: 0 would mean nothing compiled
-
 
 def torch_native_paths(model, cfg) -> str:
     """torchao's float8 linears (precision.fp8_recipe, torchao's tensorwise or rowwise) and

@@ -196,6 +196,3 @@ class DeepSpeedTensorParallelTrainer:
 
     def save(self, step: int, root):
         raise NotImplementedError("validation refuses checkpoint.save for DeepSpeed over tensor parallelism")
-
-    def summary_extras(self) -> dict:
-        return {}

@@ -23,7 +23,6 @@ from .megatron_model import (
     build_model_chunks,
     choose_torch_native_paths,
     compile_layers,
-    compiled_graphs,
     spec_name,
     transformer_config_kwargs,
 )
@@ -208,11 +207,6 @@ class MegatronTrainer:
 
     def save(self, step: int, root):
         return megatron_checkpoint.save(self, step, root)
-
-    def summary_extras(self) -> dict:
-        if not self.cfg.engine.compile_layers:
-            return {}
-        return {"compiled_graphs": compiled_graphs()}  # in this process: 0 would mean nothing compiled
 
 
 @contextlib.contextmanager

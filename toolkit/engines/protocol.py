@@ -75,6 +75,3 @@ class Trainer(Protocol):
 
     def save(self, step: int, root) -> Any:
         """Write a checkpoint of the state after `step` steps under `root`; its path."""
-
-    def summary_extras(self) -> dict:
-        """Facts about this run the summary adds (e.g. how many graphs were compiled)."""

@@ -22,13 +22,18 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
     """Train `cfg.train.steps` steps on `cfg.engine.name`; `on_step(step, metrics)` runs on
     the logging rank. With `stop` (a StopRequest), a signal ends training after the step
     every rank is at, saving a checkpoint first when `checkpoint.save` is set. `progress`
-    (a Heartbeat) hears of every step and phase on every rank. Returns the trainer's
-    summary extras."""
+    (a Heartbeat) hears of every step and phase on every rank. Returns facts for the
+    summary: with engine.compile_layers, how many graphs torch.compile made in this process
+    (0 would mean nothing compiled), whichever engine compiled its layers."""
     progress = progress or NO_PROGRESS
     engine = importlib.import_module(f"{__package__}.{rules(cfg).TRAINER_MODULE}")
     with engine.open_trainer(cfg, layout, job_dir) as trainer:
         _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
-        return trainer.summary_extras()
+    if not cfg.engine.compile_layers:
+        return {}
+    from .megatron_model import compiled_graphs
+
+    return {"compiled_graphs": compiled_graphs()}
 
 
 def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:

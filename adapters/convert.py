@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from ..atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
-from ..checkpoint_dir import LATEST, iteration_name
-from ..checkpoint_trust import TRUST_FLAG, UntrustedCheckpointFile, guard_process
+from ..checkpoints.checkpoint_dir import LATEST, iteration_name
+from ..checkpoints.checkpoint_trust import TRUST_FLAG, UntrustedCheckpointFile, guard_process
 from ..families import weight_table as wm
 from ..families.declaration import UnsupportedModel
 from ..families.hf_config import (
@@ -43,7 +43,7 @@ from ..families.hf_config import (
     same_model,
     transformers_config,
 )
-from ..megatron_version import refusal as megatron_core_refusal
+from ..versions.megatron_version import refusal as megatron_core_refusal
 from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
 from .logits_worker import layout_run_config
@@ -75,7 +75,7 @@ def toolkit_version() -> str:
 
 def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
     """Validate the target layout with the same rules as `launch.py`; returns its record."""
-    from ..validation import ConfigError, validate
+    from ..config.validation import ConfigError, validate
 
     cfg = layout_run_config(model, tp, pp, vpp, ep, seq_length=8 * tp)
     cfg.launcher.name, cfg.tracking.enabled = "plan", False
@@ -252,7 +252,7 @@ def _model_from_yaml(path: Path) -> dict:
     """A model config from a job's config.yaml or a conf/model file, schema defaults filled in."""
     from omegaconf import OmegaConf
 
-    from ..schema import ModelConfig
+    from ..config.schema import ModelConfig
 
     if not path.is_file():
         raise ConversionError(f"--model-config {path} does not exist.")
@@ -517,7 +517,7 @@ def _digest_verifier(args):
     """The --verify check of a Hugging Face folder made from a DeepSpeed checkpoint: its
     logits (transformers, fp32 compute) against the digest the training engine took of
     its own model when it saved (in the training precision)."""
-    from ..logits_digest import digest, digest_difference, sample_tokens
+    from ..checkpoints.logits_digest import digest, digest_difference, sample_tokens
     from .verify_logits import ROUNDING, hf_logits
 
     def verify(staged: Path, record: dict) -> dict:
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     guard_process(trust=getattr(args, "trust_pickled_code", False))  # before any checkpoint file is read
     untested = megatron_core_refusal()
     if not untested and args.direction.startswith("deepspeed-"):
-        from ..deepspeed_version import refusal as deepspeed_refusal
+        from ..versions.deepspeed_version import refusal as deepspeed_refusal
 
         untested = deepspeed_refusal()
     if untested:

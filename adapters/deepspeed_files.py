@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint_dir import DEEPSPEED_MANIFEST, CheckpointError, checkpoint_to_load, engine_of
-from ..checkpoint_trust import load_torch_file, refuse_pickled_code
+from ..checkpoints.checkpoint_dir import DEEPSPEED_MANIFEST, CheckpointError, checkpoint_to_load, engine_of
+from ..checkpoints.checkpoint_trust import load_torch_file, refuse_pickled_code
 
 
 class NotADeepSpeedCheckpoint(ValueError):

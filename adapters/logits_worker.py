@@ -20,7 +20,7 @@ def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, s
     layout check and the logits worker both build the model."""
     from omegaconf import OmegaConf
 
-    from ..schema import RunConfig
+    from ..config.schema import RunConfig
 
     cfg = OmegaConf.structured(RunConfig)
     cfg.model = OmegaConf.merge(cfg.model, model)
@@ -33,7 +33,7 @@ def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, s
 
 
 def main() -> None:
-    from ..checkpoint_trust import guard_process, inherited_trust
+    from ..checkpoints.checkpoint_trust import guard_process, inherited_trust
 
     guard_process(trust=inherited_trust())
     ap = argparse.ArgumentParser()
@@ -53,14 +53,14 @@ def main() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from ..checkpoint_dir import read_common
+    from ..checkpoints.checkpoint_dir import read_common
     from ..engines.megatron_checkpoint import load_model_weights
     from .verify_logits import ROUNDING, round_weights
     from ..megatron_internals.cpu_compat import cpu_compat
     from ..engines.megatron_groups import init_parallel
     from ..megatron_internals.fixes import apply_megatron_fixes
     from ..engines.megatron_model import build_model_chunks, transformer_config_kwargs
-    from ..layout import ParallelLayout
+    from ..planning.layout import ParallelLayout
 
     tokens = torch.load(args.tokens)  # [batch, seq]
     model = json.loads(Path(args.model).read_text()) if args.model else read_common(args.checkpoint)["model_config"]

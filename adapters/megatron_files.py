@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..checkpoint_dir import CheckpointError, latest_checkpoint, read_common
-from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code
+from ..checkpoints.checkpoint_dir import CheckpointError, latest_checkpoint, read_common
+from ..checkpoints.checkpoint_trust import read_dcp_metadata, refuse_pickled_code
 
 class NotAMegatronCheckpoint(ValueError):
     """Bad input: the path holds no Megatron-Core checkpoint."""

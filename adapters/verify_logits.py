@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..logits_digest import sample_tokens
-from ..loopback import LOOPBACK, free_port
+from ..checkpoints.logits_digest import sample_tokens
+from ..runtime.loopback import LOOPBACK, free_port
 from .megatron_files import find_checkpoint
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from gridwright.atomic_io import write_text_atomic
-from gridwright.trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report
+from gridwright.analysis.trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report
 
 
 def main(argv: list[str] | None = None) -> int:

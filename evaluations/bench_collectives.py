@@ -14,12 +14,12 @@ CP, are timed once); without it, groups of 2, 4, 8, ... ranks (and the whole wor
 consecutive ranks. Every group of a kind or size runs at once, as in training.
 
 What is timed, per collective and message size (nccl-tests conventions, see
-gridwright.comm_model): all_reduce, all_gather, reduce_scatter, all_to_all, and send_recv
+gridwright.planning.comm_model): all_reduce, all_gather, reduce_scatter, all_to_all, and send_recv
 (each rank sends to the next member of its group and receives from the previous one; a
 pair exchange in groups of 2). float32 buffers; warm-up calls, then --iters timed calls
 between CUDA events (GPU) or perf_counter readings (CPU); the time of a size is the mean
 per call, maximised over ranks, as nccl-tests reports it. Rank 0 prints a table per
-group size and collective and writes the profile with its fits (gridwright.comm_model.
+group size and collective and writes the profile with its fits (gridwright.planning.comm_model.
 CommProfile), plus a plot with --plot.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from gridwright.comm_model import (
+from gridwright.planning.comm_model import (
     COLLECTIVES,
     CommProfile,
     alg_bandwidth,

@@ -6,7 +6,7 @@
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
 steps after the first. In the `performance` suite two steps are traced with torch.profiler
 and left out of the mean; their traces give each case's compute, exposed communication
-per parallel group and overlap (gridwright.trace_analysis). MFU is given under both definitions (Megatron-LM's, causal
+per parallel group and overlap (gridwright.analysis.trace_analysis). MFU is given under both definitions (Megatron-LM's, causal
 attention halved, and PaLM's); FP8 rows also against the bf16 peak. The GPU kind is read
 from the device and written with the numbers: compare only rows from the same card and
 the same invocation.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from gridwright.evaluations.results_file import stamp_now, write_markdown
 from gridwright.evaluations.same_weights import write_same_weights
-from gridwright.jobdir import read_metrics
+from gridwright.runtime.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -273,7 +273,7 @@ def main() -> None:
                     help="start every case from one draw of the weights, as a Hugging Face folder and its "
                     "Megatron-Core conversion (both engines; Megatron-FSDP, which loads no checkpoint, from the seed)")
     ap.add_argument("--jobs", type=Path, help="keep the job directories here (to log them into MLflow later "
-                    "with python -m gridwright.sync); default: a temporary directory")
+                    "with python -m gridwright.tracking.sync); default: a temporary directory")
     ap.add_argument("--one-gpu-cases-side-by-side", action="store_true",
                     help="run the one-GPU cases two at a time, one per GPU")
     args = ap.parse_args()

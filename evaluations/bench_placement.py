@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from gridwright.compose import compose_config
-from gridwright.layout import ParallelLayout
-from gridwright.placement import plan_placement
-from gridwright.validation import validate
+from gridwright.config.compose import compose_config
+from gridwright.planning.layout import ParallelLayout
+from gridwright.planning.placement import plan_placement
+from gridwright.config.validation import validate
 
 LAYOUTS = [  # (world, tp, pp, cp, ep)
     (8, 1, 1, 1, 8),

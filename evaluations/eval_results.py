@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gridwright.jobdir import PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
-from gridwright.sweep import SweepRecord
+from gridwright.runtime.jobdir import PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
+from gridwright.tracking.sweep import SweepRecord
 from gridwright.evaluations.results_file import write_markdown
-from gridwright.trace_analysis import COMMUNICATION_FILE
+from gridwright.analysis.trace_analysis import COMMUNICATION_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 def estimate_now(job: Path) -> float:
     """This code's memory estimate for the job's config, without the fixed workspace (which
     the allocator's peak does not hold), to compare with the measured peak."""
-    from gridwright.layout import ParallelLayout
-    from gridwright.memory_estimate import estimate_memory
+    from gridwright.planning.layout import ParallelLayout
+    from gridwright.planning.memory_estimate import estimate_memory
 
     cfg = load_job_config(job)
     est = estimate_memory(cfg, ParallelLayout.from_config(cfg))

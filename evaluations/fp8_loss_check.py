@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from gridwright.evaluations.results_file import write_markdown
-from gridwright.jobdir import read_metrics
+from gridwright.runtime.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

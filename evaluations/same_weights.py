@@ -25,9 +25,9 @@ def write_same_weights(out: Path, experiment: list[str]) -> dict[str, Path]:
     import torch
     import transformers
 
-    from gridwright.compose import compose_config
+    from gridwright.config.compose import compose_config
     from gridwright.engines.hf_model import hf_config, initialise_as_megatron
-    from gridwright.layout import ParallelLayout
+    from gridwright.planning.layout import ParallelLayout
 
     cfg = compose_config(experiment)
     name = cfg.model.name

@@ -1,4 +1,4 @@
-"""Shrink profiler traces to what `gridwright.trace_analysis` reads, for committed test data.
+"""Shrink profiler traces to what `gridwright.analysis.trace_analysis` reads, for committed test data.
 
     python -m gridwright.evaluations.trim_traces JOB_DIR OUT_DIR
 
@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from gridwright.trace_analysis import GPU_CATEGORIES, LAUNCH_CATEGORIES
+from gridwright.analysis.trace_analysis import GPU_CATEGORIES, LAUNCH_CATEGORIES
 
 KEEP_CATEGORIES = {*GPU_CATEGORIES, "user_annotation", "gpu_user_annotation"}
 

@@ -63,7 +63,7 @@ def main() -> None:
     import torch
 
     from gridwright.evaluations.bench_gpu import device_overrides
-    from gridwright.trace_analysis import analyze
+    from gridwright.analysis.trace_analysis import analyze
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))

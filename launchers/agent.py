@@ -2,10 +2,10 @@
 
     python -m gridwright.launchers.agent --job-dir DIR [torchrun options]
 
-runs torchrun's agent in this process with `-m gridwright.worker --job-dir DIR` as the
+runs torchrun's agent in this process with `-m gridwright.runtime.worker --job-dir DIR` as the
 entry point, and adds what torchrun leaves out:
 
-* every process it starts carries this node's run token (gridwright.process_tree), and
+* every process it starts carries this node's run token (gridwright.runtime.process_tree), and
   whatever still carries it when torchrun returns (a dead worker's children) is ended;
 * started by the local launcher (GRIDWRIGHT_LAUNCHER_PIPE=1), it follows the launcher
   through a pipe on its stdin: a `stop` line or the pipe's end (the launcher died, even
@@ -15,7 +15,7 @@ entry point, and adds what torchrun leaves out:
   listening on the endpoint's address only (torch's TCPStore otherwise listens on every
   interface): the local launcher's rendezvous is unreachable from other hosts;
 * at the end it closes the job's MLflow run if the rank that kept it open died without
-  doing so (gridwright.tracking.close_orphaned_run).
+  doing so (gridwright.tracking.mlflow_runs.close_orphaned_run).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from gridwright.process_tree import TOKEN_ENV, end_run_processes, new_token
+from gridwright.runtime.process_tree import TOKEN_ENV, end_run_processes, new_token
 
 LAUNCHER_PIPE_ENV = "GRIDWRIGHT_LAUNCHER_PIPE"
 STOP_LINE = "stop"
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         _register_loopback_backend()
         watchdog = _start_watchdog(job_dir, token)
         try:
-            torchrun_main([*torchrun_args, "-m", "gridwright.worker", "--job-dir", str(job_dir)])
+            torchrun_main([*torchrun_args, "-m", "gridwright.runtime.worker", "--job-dir", str(job_dir)])
             code = 0
         except ChildFailedError as e:  # a worker that refused its input (exit 2) has said why in one line;
             code = 2 if e.get_first_failure()[1].exitcode == 2 else 1  # torchrun then ended the others
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_watchdog(job_dir: Path, token: str):
     """The hang finder over this node's ranks (gridwright.launchers.watchdog)."""
-    from gridwright.jobdir import load_job_config
+    from gridwright.runtime.jobdir import load_job_config
 
     from .watchdog import Watchdog
 
@@ -176,7 +176,7 @@ def _start_watchdog(job_dir: Path, token: str):
 
 
 def _close_orphaned_run(job_dir: Path, killed: bool, since: float) -> None:
-    from gridwright.jobdir import load_job_config
+    from gridwright.runtime.jobdir import load_job_config
 
     try:
         cfg = load_job_config(job_dir)
@@ -184,7 +184,7 @@ def _close_orphaned_run(job_dir: Path, killed: bool, since: float) -> None:
         return
     if not cfg.tracking.enabled:
         return
-    from gridwright.tracking import close_orphaned_run
+    from gridwright.tracking.mlflow_runs import close_orphaned_run
 
     from .watchdog import hang_summary
 
@@ -192,7 +192,7 @@ def _close_orphaned_run(job_dir: Path, killed: bool, since: float) -> None:
         close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed", error=hang_summary(job_dir, since))
     except Exception as e:  # noqa: BLE001 - a store out of reach must not hide the run's own exit
         print(f"agent       could not close the job's MLflow run ({type(e).__name__}: {e}); "
-              f"python -m gridwright.sync {job_dir} closes it later", file=sys.stderr, flush=True)
+              f"python -m gridwright.tracking.sync {job_dir} closes it later", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

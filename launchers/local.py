@@ -14,9 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..process_tree import TOKEN_ENV, end_run_processes, new_token
+from ..runtime.process_tree import TOKEN_ENV, end_run_processes, new_token
 
-from ..loopback import LOOPBACK, free_port
+from ..runtime.loopback import LOOPBACK, free_port
 from .agent import LAUNCHER_PIPE_ENV, LOOPBACK_BACKEND, STOP_LINE
 from .environment import worker_env
 

@@ -2,7 +2,7 @@
 
 A collective timeout alone lets a stopped rank hold a job for its whole length (torch's
 default is 30 minutes on gloo) and says nothing of who stopped. Here a thread of each
-node's agent reads its ranks' heartbeats (`gridwright.heartbeat`) once a second. A rank
+node's agent reads its ranks' heartbeats (`gridwright.runtime.heartbeat`) once a second. A rank
 is hung when its heartbeat is older than its bound:
 
 * while training: `watchdog.stall_factor` x the median of its recent step times, and at
@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from gridwright.atomic_io import write_text_atomic
-from gridwright.heartbeat import STACK_SIGNAL, read_heartbeats, stacks_file
+from gridwright.runtime.heartbeat import STACK_SIGNAL, read_heartbeats, stacks_file
 
 HANGS_DIR = "hangs"  # one finding per node agent: hangs/<host>-<token>.json
 _POLL_S = 1.0

@@ -23,7 +23,7 @@ def no_inherited_mlflow_run(monkeypatch):
 
 @pytest.fixture
 def compose():
-    from gridwright.compose import compose_config
+    from gridwright.config.compose import compose_config
 
     def _compose(*overrides):
         return compose_config(list(overrides))

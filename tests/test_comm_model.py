@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from gridwright.comm_model import (
+from gridwright.planning.comm_model import (
     FORMAT,
     CommProfile,
     UnmeasuredGroupSize,
@@ -27,8 +27,8 @@ from gridwright.evaluations.bench_collectives import (
     parse_bytes,
     partitions_from_placement,
 )
-from gridwright.layout import ParallelLayout
-from gridwright.placement import plan_placement
+from gridwright.planning.layout import ParallelLayout
+from gridwright.planning.placement import plan_placement
 
 from conftest import REPO
 

@@ -19,7 +19,7 @@ def test_default_is_tiny_llama_on_two_cpu_processes(compose):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_preset_composes_and_validates(compose, name):
-    from gridwright.validation import validate
+    from gridwright.config.validation import validate
 
     cfg = compose(f"+experiment={name}")
     assert cfg.name == name
@@ -54,7 +54,7 @@ def test_misspelt_key_in_a_group_file_is_an_error(tmp_path, monkeypatch):
     """A typo inside a YAML file (not only on the command line) is caught by the schema."""
     import shutil
 
-    from gridwright import compose as compose_mod
+    from gridwright.config import compose as compose_mod
 
     conf = tmp_path / "conf"
     shutil.copytree(compose_mod.CONF_DIR, conf)
@@ -69,7 +69,7 @@ def test_fp8_recipes_map_to_transformer_config(compose):
     from megatron.core.transformer import TransformerConfig
 
     from gridwright.engines.megatron_model import transformer_config_kwargs
-    from gridwright.layout import ParallelLayout
+    from gridwright.planning.layout import ParallelLayout
 
     for preset, recipe, fmt in (
         ("fp8_delayed", "delayed", "hybrid"),
@@ -95,7 +95,7 @@ def test_recompute_and_moe_map_to_transformer_config(compose):
     from megatron.core.transformer import TransformerConfig
 
     from gridwright.engines.megatron_model import transformer_config_kwargs
-    from gridwright.layout import ParallelLayout
+    from gridwright.planning.layout import ParallelLayout
 
     cfg = compose("+experiment=mixtral_ep8")
     tc = TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg)))

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from gridwright.prepare_data import main as prepare_main
-from gridwright.prepare_data import prepare
+from gridwright.data.prepare_data import main as prepare_main
+from gridwright.data.prepare_data import prepare
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbo packs".split()
 
@@ -97,7 +97,7 @@ def test_train_on_blended_indexed_data_with_validation_and_exact_resume(run_laun
     (["data.weights=[1.0,2.0]"], "data.weights has 2 entries for 1 data.paths"),
 ])
 def test_data_checks_before_start(compose, tmp_path, overrides, expected):
-    from gridwright.validation import ConfigError, validate
+    from gridwright.config.validation import ConfigError, validate
 
     prepare([write_jsonl(tmp_path / "a.jsonl", 50)], tmp_path / "a", "byte")
     cfg = compose("data.kind=indexed", f"data.paths=[{tmp_path / 'a'}]", "model.vocab_size=264", *overrides)
@@ -106,7 +106,7 @@ def test_data_checks_before_start(compose, tmp_path, overrides, expected):
 
 
 def test_missing_dataset_is_refused(compose, tmp_path):
-    from gridwright.validation import ConfigError, validate
+    from gridwright.config.validation import ConfigError, validate
 
     cfg = compose("data.kind=indexed", f"data.paths=[{tmp_path / 'nothing'}]")
     with pytest.raises(ConfigError, match="dataset files missing"):

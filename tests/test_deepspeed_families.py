@@ -56,7 +56,7 @@ def test_a_default_run_draws_each_familys_weights_by_megatrons_rules(compose, fa
 
     import transformers
     from gridwright.engines.hf_model import hf_config, initialise_as_megatron
-    from gridwright.layout import ParallelLayout
+    from gridwright.planning.layout import ParallelLayout
 
     cfg = compose(*MODEL[family])
     model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))

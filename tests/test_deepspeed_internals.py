@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gridwright import deepspeed_version
+from gridwright.versions import deepspeed_version
 from gridwright.deepspeed_internals import checkpoint_files, engine_state, extensions, universal
-from gridwright.deepspeed_version import (
+from gridwright.versions.deepspeed_version import (
     OVERRIDE,
     TESTED,
     UntestedDeepSpeed,
@@ -49,7 +49,7 @@ def test_each_allowlisted_class_is_a_cited_class():
 
 # The DeepSpeed path's files outside the fence: none reaches into DeepSpeed or torch privately.
 OUTSIDE = [*sorted((REPO / "toolkit" / "engines").glob("deepspeed_*.py")), REPO / "toolkit/engines/hf_model.py",
-           REPO / "toolkit/checkpoint_trust.py", REPO / "adapters/deepspeed_files.py"]
+           REPO / "toolkit/checkpoints/checkpoint_trust.py", REPO / "adapters/deepspeed_files.py"]
 PRIVATE = re.compile(r"^\s*(from|import) deepspeed\.|[\"']deepspeed\.\w|from torch[\w.]* import _\w|"
                      r"\.(skipped_steps|seq_data_parallel_group)\b|\.optimizer\.optimizer\b")
 

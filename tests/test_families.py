@@ -1,7 +1,7 @@
 """Family declarations: well-formed, and the head size read and written back in one form."""
 import pytest
 
-from gridwright.checkpoint_dir import model_differences
+from gridwright.checkpoints.checkpoint_dir import model_differences
 from gridwright.families import weight_table
 from gridwright.families.hf_config import model_config_from_hf, same_model, transformers_config
 from gridwright.families.registry import FAMILIES

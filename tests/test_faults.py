@@ -81,7 +81,7 @@ def test_a_damaged_latest_checkpoint_is_refused_or_skipped(tmp_path):
 def test_one_writer_per_checkpoint_directory(tmp_path):
     ck = tmp_path / "ck"
     # The holder forks a child that outlives it, as a killed worker's checkpoint helpers do.
-    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from gridwright.checkpoint_dir import "
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time; from gridwright.checkpoints.checkpoint_dir import "
                                f"hold_writer_lock; h = hold_writer_lock({str(ck)!r}); child = os.fork(); "
                                "child or time.sleep(600); print('held', child, flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
@@ -160,7 +160,7 @@ def test_two_first_runs_at_once_share_a_fresh_store(tmp_path):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["+train.stpes=5"], "error: train.stpes is not a key of the experiment's schema (gridwright.schema). "
+    (["+train.stpes=5"], "error: train.stpes is not a key of the experiment's schema (gridwright.config.schema). "
                          "Did you mean train.steps?"),
     (["launcher=slurm", "cluster.gpus_per_node=0"], "  - cluster.gpus_per_node=0 must be at least 1."),
     (["launcher.max_restarts=-1"], "  - launcher.max_restarts=-1 must be 0 or more."),

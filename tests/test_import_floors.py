@@ -1,15 +1,19 @@
 """The package's import floors: no module imports from a floor above its own, not even
 inside a function, and no modules import each other in a circle.
 
-    floor 0  configuration and validation, and the plain helpers they use
-             (gridwright.* top-level modules not named below, gridwright.families)
-    floor 1  engines and adapters (gridwright.engines, gridwright.adapters,
-             gridwright.megatron_internals), except each engine's torch-free rules,
-             which validation reads (floor 0); the DeepSpeed fence
-             (gridwright.deepspeed_internals) is floor 0: the checkpoint reader takes
-             its list of DeepSpeed's pickled classes from it
-    floor 2  launchers and commands (gridwright.launchers, gridwright.evaluations, cli,
-             __main__, worker, sweep, sync, tracking)
+    floor 0  plain values: the schema, composition, planning (layout, placement, parameter
+             counts, FLOPs, memory, communication), the version fences, the families'
+             declarations, the job directory's small files. None of them imports torch,
+             DeepSpeed, Megatron-Core, MLflow or transformers, at any depth: planning stays
+             fast and works on a broken install.
+    floor 1  validation and the readers it calls (checkpoints, datasets, Hugging Face
+             configs, the machine probe), each engine's torch-free rules, the DeepSpeed
+             fence (the checkpoint reader takes DeepSpeed's pickled classes from it), and the
+             runtime helpers the engines call
+    floor 2  engines and adapters (gridwright.engines, gridwright.adapters,
+             gridwright.megatron_internals)
+    floor 3  launchers and commands (gridwright.launchers, gridwright.evaluations, cli,
+             __main__, the worker, sweeps, sync and the MLflow runs)
 """
 import ast
 import re
@@ -22,19 +26,40 @@ import pytest
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Every installed package (gridwright.conf holds YAML only).
 PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
-FLOOR_1 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
+FLOOR_0 = ("gridwright.atomic_io", "gridwright.config.schema", "gridwright.config.compose", "gridwright.planning.layout",
+           "gridwright.planning.placement", "gridwright.planning.model_math", "gridwright.planning.memory_estimate",
+           "gridwright.planning.comm_model", "gridwright.planning.disk_space", "gridwright.planning.plan_record",
+           "gridwright.planning.plan", "gridwright.versions", "gridwright.families.declaration",
+           "gridwright.families.common", "gridwright.families.registry", "gridwright.families.llama",
+           "gridwright.families.mistral", "gridwright.families.mixtral", "gridwright.families.qwen2",
+           "gridwright.families.qwen3", "gridwright.families.qwen3_moe", "gridwright.engines.protocol",
+           "gridwright.engines.registry", "gridwright.engines.timeouts", "gridwright.engines.zero_settings",
+           "gridwright.runtime.heartbeat", "gridwright.runtime.jobdir", "gridwright.runtime.known_warnings",
+           "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.tracking.run_owner",
+           "gridwright.tracking.store", "gridwright.tracking.sweep_report")
+FLOOR_2 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
 # Inside gridwright.engines, what validation and planning read without loading an engine.
 ENGINE_RULES = ("gridwright.engines.registry", "gridwright.engines.protocol", "gridwright.engines.megatron_rules",
                 "gridwright.engines.deepspeed_rules", "gridwright.engines.zero_settings")
-FLOOR_2 = ("gridwright.launchers", "gridwright.evaluations", "gridwright.cli", "gridwright.__main__",
-           "gridwright.worker", "gridwright.sweep", "gridwright.sync", "gridwright.tracking")
+FLOOR_3 = ("gridwright.launchers", "gridwright.evaluations", "gridwright.cli", "gridwright.__main__",
+           "gridwright.runtime.worker", "gridwright.tracking.sweep", "gridwright.tracking.sync",
+           "gridwright.tracking.mlflow_runs")
+# What floor 0 never imports, at any depth.
+HEAVY = ("torch", "deepspeed", "megatron", "mlflow", "transformers", "torchao", "safetensors", "transformer_engine")
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
 def floor(module: str) -> int:
-    def under(prefixes):
-        return any(module == p or module.startswith(p + ".") for p in prefixes)
-
-    return 2 if under(FLOOR_2) else 0 if module in ENGINE_RULES else 1 if under(FLOOR_1) else 0
+    if _under(module, FLOOR_3):
+        return 3
+    if _under(module, FLOOR_0) or module in {p for p in PACKAGES}:
+        return 0  # a package's __init__ holds a docstring only
+    if module in ENGINE_RULES:
+        return 1
+    return 2 if _under(module, FLOOR_2) else 1
 
 
 def package_roots() -> dict[str, Path]:
@@ -83,7 +108,7 @@ def test_every_folder_of_code_is_a_package_read_here():
 
 
 def test_every_module_was_read():
-    assert {"gridwright.validation", "gridwright.families.registry", "gridwright.engines.megatron_engine",
+    assert {"gridwright.config.validation", "gridwright.families.registry", "gridwright.engines.megatron_engine",
             "gridwright.adapters.convert", "gridwright.launchers.local", "gridwright.cli"} <= set(GRAPH)
     unknown = {t for targets in GRAPH.values() for t in targets if t not in GRAPH}
     assert not unknown, f"imports of modules this test does not know: {sorted(unknown)}"
@@ -145,6 +170,33 @@ def test_the_test_catches_an_upward_import(tmp_path):
     found = imports("gridwright.engines.probe", probe, GRAPH)
     assert found == {"gridwright.launchers.local", "gridwright.cli"}
     assert all(floor(t) > floor("gridwright.engines.probe") for t in found)
+
+
+def heavy_imports(path: Path) -> set[str]:
+    """The heavy packages a module's code imports, at any depth (functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found |= {n.split(".")[0] for n in names if n.split(".")[0] in HEAVY}
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if floor(n) == 0))
+def test_the_bottom_floor_imports_no_heavy_package(name):
+    """Floor 0 imports only floor 0 (the test above), and none of it imports a heavy
+    package even inside a function: composing and planning never load torch."""
+    assert not heavy_imports(modules()[name]), f"{name} imports {sorted(heavy_imports(modules()[name]))}"
+
+
+def test_the_heavy_search_finds_a_lazy_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json\ndef f():\n    import torch.distributed as dist\n    from mlflow import MlflowClient\n")
+    assert heavy_imports(probe) == {"torch", "mlflow"}
 
 
 def test_engine_rules_load_no_torch():

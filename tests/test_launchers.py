@@ -7,7 +7,7 @@ import pytest
 
 from conftest import only_job_dir
 
-from gridwright.model_math import model_flops_per_token, param_counts
+from gridwright.planning.model_math import model_flops_per_token, param_counts
 
 
 def test_plan_prints_mixtral_ep8_placement_and_runs_nothing(run_launch, tmp_path, compose):
@@ -116,7 +116,7 @@ def test_plan_with_a_comm_profile_predicts_each_groups_communication(run_launch,
     plan = json.loads((only_job_dir(tmp_path) / "plan.json").read_text())
     tp = plan["predicted_communication"]["tp"]
     assert tp["group_size"] == 2 and tp["bytes"] > 0 and tp["seconds"] > 0
-    from gridwright.comm_model import CommProfile
+    from gridwright.planning.comm_model import CommProfile
 
     measured = CommProfile.load(profile)
     for call in tp["calls"]:  # each call's seconds: count x the fitted time of one call

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gridwright.megatron_internals import checkpoint_format, cpu_compat, fixes, parallel_linear
-from gridwright.megatron_version import OVERRIDE, TESTED, UntestedMegatronCore, refuse_untested, version_problem
+from gridwright.versions.megatron_version import OVERRIDE, TESTED, UntestedMegatronCore, refuse_untested, version_problem
 
 MCORE = Path(megatron.core.__file__).parent
 CITED = [(m.__name__.rsplit(".", 1)[1], path, text) for m in (fixes, cpu_compat, checkpoint_format, parallel_linear)
@@ -65,8 +65,8 @@ def test_a_worker_refuses_fp8_without_transformer_engine(compose):
     """Every launcher's worker repeats the FP8 check (only a local launch validates this
     machine before start): a Slurm worker must not train in bf16 under an FP8 config that
     neither Transformer Engine nor torchao can run here."""
-    from gridwright.machine_probe import transformer_engine_available
-    from gridwright.worker import refuse_what_this_machine_cannot_run
+    from gridwright.planning.machine_probe import transformer_engine_available
+    from gridwright.runtime.worker import refuse_what_this_machine_cannot_run
 
     if transformer_engine_available():
         pytest.skip("Transformer Engine imports here")

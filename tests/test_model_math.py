@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from gridwright.layout import ParallelLayout
-from gridwright.memory_estimate import estimate_memory
-from gridwright.model_math import (
+from gridwright.planning.layout import ParallelLayout
+from gridwright.planning.memory_estimate import estimate_memory
+from gridwright.planning.model_math import (
     flops_per_token_all,
     forward_flops_per_token,
     hardware_flops_per_token,
@@ -110,7 +110,7 @@ def test_memory_estimate_against_peaks_measured_on_h100(job):
     against the allocator's peak over all ranks, measured on 2 x H100 (committed results)."""
     from omegaconf import OmegaConf
 
-    from gridwright.compose import strip_hydra
+    from gridwright.config.compose import strip_hydra
 
     cfg = strip_hydra(OmegaConf.load(job / "config.yaml"))
     est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
@@ -122,7 +122,7 @@ def test_memory_estimate_against_peaks_measured_on_h100(job):
 
 
 def test_mfu_follows_the_chosen_definition(compose):
-    from gridwright.step_metrics import StepMetrics
+    from gridwright.runtime.step_metrics import StepMetrics
 
     metrics = {}
     for definition in ("megatron", "palm"):

@@ -67,7 +67,7 @@ def test_deepspeed_reads_indexed_data_as_the_megatron_engine_does(run_launch, tm
     """Megatron-Core's indexed dataset (which masks padding in the loss) under ZeRO-2: on the
     Megatron engine's own model DeepSpeed sees the same samples and the same masked loss,
     step by step; the Hugging Face model trains on them too."""
-    from gridwright.prepare_data import prepare
+    from gridwright.data.prepare_data import prepare
     from test_data import write_jsonl
 
     prepare([write_jsonl(tmp_path / "a.jsonl", 300, 0)], tmp_path / "a", "byte")

@@ -19,7 +19,7 @@ def test_wheel_installs_and_plans_from_anywhere(tmp_path):
                    capture_output=True, timeout=300)
     away = tmp_path / "elsewhere"
     away.mkdir()
-    where = subprocess.run([str(py), "-c", "import gridwright.compose as c; print(c.__file__); print(c.CONF_DIR)"],
+    where = subprocess.run([str(py), "-c", "import gridwright.config.compose as c; print(c.__file__); print(c.CONF_DIR)"],
                            cwd=away, capture_output=True, text=True, check=True).stdout.split()
     assert all(str(venv) in w for w in where), where  # the installed copy and its own conf/
     for cmd in ([str(cli), "+experiment=mixtral_ep8", "launcher=plan"],

@@ -5,8 +5,8 @@ import json
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from gridwright.layout import ParallelLayout
-from gridwright.placement import plan_placement, rank_groups
+from gridwright.planning.layout import ParallelLayout
+from gridwright.planning.placement import plan_placement, rank_groups
 
 DENSE_TOKENS = ["tp", "cp", "dp", "pp", "tp-pp", "dp-cp", "tp-dp-cp", "tp-cp"]
 EXPERT_TOKENS = ["tp", "ep", "dp", "tp-ep", "tp-ep-pp"]
@@ -76,7 +76,7 @@ def test_json_and_csv_round_trip():
 
 
 def test_mixtral_ep8_plan(compose):
-    from gridwright.validation import validate
+    from gridwright.config.validation import validate
 
     layout, p = validate(compose("+experiment=mixtral_ep8"), for_launch=False)
     assert (layout.world_size, layout.ep, layout.dp, layout.expert_dp) == (8, 8, 8, 1)

@@ -14,9 +14,9 @@ import mlflow
 import pytest
 from conftest import REPO
 
-from gridwright.disk_space import checkpoint_bytes, saves_kept
+from gridwright.planning.disk_space import checkpoint_bytes, saves_kept
 from gridwright.engines.checkpoint_publish import remove_older
-from gridwright.tracking_store import PROBE_TIMEOUT_S, store_problem
+from gridwright.tracking.store import PROBE_TIMEOUT_S, store_problem
 
 
 def launch(tmp_path: Path, *args, env_extra=None, timeout=300) -> subprocess.CompletedProcess:
@@ -107,7 +107,7 @@ def test_a_store_removed_mid_run_leaves_training_finished_and_sync_catches_up(tm
     failures = [line for line in out.splitlines() if line.startswith("mlflow ") and "failed" in line]
     assert failures and "logs it later" in failures[0], out[-3000:]
     assert len([line for line in out.splitlines() if line.startswith("step ")]) == 150
-    synced = subprocess.run([sys.executable, "-m", "gridwright.sync", str(job), "--tracking-uri",
+    synced = subprocess.run([sys.executable, "-m", "gridwright.tracking.sync", str(job), "--tracking-uri",
                              f"sqlite:///{store}"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert synced.returncode == 0, synced.stderr[-2000:]
     client = mlflow.MlflowClient(f"sqlite:///{store}")

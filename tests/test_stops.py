@@ -49,7 +49,7 @@ def cmdline(proc: psutil.Process) -> list[str]:
 def workers_of(tree) -> list[psutil.Process]:
     """The worker processes, not their forked children (a checkpoint writer forked by a
     worker carries the worker's command line)."""
-    named = [p for p in tree if "gridwright.worker" in cmdline(p)]
+    named = [p for p in tree if "gridwright.runtime.worker" in cmdline(p)]
     pids = {p.pid for p in named}
     return [p for p in named if parent_pid(p) not in pids]
 
@@ -234,7 +234,7 @@ def test_a_dead_owner_is_found_and_its_run_closed(tmp_path, what):
     proc.communicate()
     _, run = mlflow_run(tmp_path)
     assert run.info.status == "RUNNING"  # nobody was left to close it
-    synced = subprocess.run([sys.executable, "-m", "gridwright.sync", str(job)], capture_output=True, text=True)
+    synced = subprocess.run([sys.executable, "-m", "gridwright.tracking.sync", str(job)], capture_output=True, text=True)
     assert synced.returncode == 0, synced.stderr[-2000:]
     _, run = mlflow_run(tmp_path)
     assert run.info.status == "KILLED" and run.data.tags["gridwright.status"] == "killed"

@@ -1,5 +1,5 @@
 """Evaluation sweeps in MLflow: `python launch.py -m ...` as one parent run with a nested run
-per point, sweep.json, the comparison report, and `python -m gridwright.sync` afterwards.
+per point, sweep.json, the comparison report, and `python -m gridwright.tracking.sync` afterwards.
 
 Three sweeps, each run once per module and read back through a real SQLite MLflow store:
 a plan-only layout sweep, a tracked training sweep, and an untracked one that is synced.
@@ -27,7 +27,7 @@ def sweep(tmp: Path, *args) -> Path:
 
 def sync(*args, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
-    return subprocess.run([sys.executable, "-m", "gridwright.sync", *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "gridwright.tracking.sync", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -65,7 +65,7 @@ def offline_sweep(tmp_path_factory):
 
 
 def test_slug_names_the_degrees_above_one():
-    from gridwright.layout import ParallelLayout
+    from gridwright.planning.layout import ParallelLayout
 
     def slug(world=2, **kw):
         kw.setdefault("etp", kw.get("tp", 1))  # as from_config: expert TP defaults to TP
@@ -80,8 +80,8 @@ def test_slug_names_the_degrees_above_one():
 
 
 def test_job_params_without_a_plan(compose, tmp_path):
-    from gridwright.layout import ParallelLayout
-    from gridwright.tracking import job_params
+    from gridwright.planning.layout import ParallelLayout
+    from gridwright.tracking.mlflow_runs import job_params
 
     cfg = compose("parallel.tp=2")
     params = job_params(cfg, ParallelLayout.from_config(cfg), tmp_path)  # no plan.json here
@@ -99,8 +99,8 @@ def test_job_params_without_a_plan(compose, tmp_path):
 def test_report_compares_gpu_points(tmp_path):
     """The table and plots from what GPU runs leave: MFU under both definitions (the other
     one from plan.json's FLOPs ratio when a run reports only its own), the step breakdown."""
-    from gridwright.sweep import SweepRecord
-    from gridwright.sweep_report import write_report
+    from gridwright.tracking.sweep import SweepRecord
+    from gridwright.tracking.sweep_report import write_report
 
     plan = {"flops_per_token": {"megatron": 1.0e9, "palm": 1.2e9}, "memory_estimate_gib": 50.0}
     comm = {"compute_s": 0.8, "exposed_comm_s": 0.15, "idle_s": 0.05, "step_s": 1.0,
@@ -200,7 +200,7 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
     assert {n: r.info.run_id for n, r in again.items()} == {n: r.info.run_id for n, r in runs.items()}
 
     # A point whose run is gone (deleted here) is filled in; nothing else is logged again.
-    from gridwright.sync import main as sync_main
+    from gridwright.tracking.sync import main as sync_main
 
     client.delete_run(runs["tiny_llama tp3-dp0"].info.run_id)
     assert sync_main([str(sweep_dir), "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"]) == 0
@@ -242,7 +242,7 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
     assert run.data.tags["gridwright.job_id"] == json.loads((job / "job.json").read_text())["job_id"]
 
     # A torchrun job logged before it ran is planned; once it has run, the same run gets its results.
-    from gridwright.sync import main as sync_main
+    from gridwright.tracking.sync import main as sync_main
 
     emitted = tmp_path / "emitted"
     assert launch(["launcher=torchrun", "tracking=off", f"job_dir={emitted}"], cwd=tmp_path).returncode == 0

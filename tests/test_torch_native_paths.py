@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from gridwright.compose import compose_config
+from gridwright.config.compose import compose_config
 from gridwright.megatron_internals.parallel_linear import _matmul, float8_setup
 from gridwright.launchers.environment import worker_env
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gridwright.trace_analysis import TraceError, analyze, format_report, summary_of
+from gridwright.analysis.trace_analysis import TraceError, analyze, format_report, summary_of
 
 DATA = Path(__file__).parent / "data" / "gpu_traces"
 # The overrides the committed traces were captured with (README in DATA).
@@ -30,8 +30,8 @@ def _comm(ts, dur, desc="DATA_PARALLEL_GROUP_WITH_CP", ranks="[0, 1]", n=1000):
 
 def _write_job(tmp_path, events_by_rank, timers=None):
     """A job directory holding a DP=2 placement and one hand-made trace per rank."""
-    from gridwright.layout import ParallelLayout
-    from gridwright.placement import plan_placement
+    from gridwright.planning.layout import ParallelLayout
+    from gridwright.planning.placement import plan_placement
 
     layout = ParallelLayout(world_size=2, gpus_per_node=2, nvlink_domain_size=2)
     (tmp_path / "placement.json").write_text(plan_placement(layout).to_json())
@@ -141,8 +141,8 @@ def test_cpu_traces_are_refused_with_a_reason_and_no_nan(tmp_path):
 
 
 def _bench_params(layers: int) -> int:
-    from gridwright.compose import compose_config
-    from gridwright.model_math import param_counts
+    from gridwright.config.compose import compose_config
+    from gridwright.planning.model_math import param_counts
 
     return param_counts(compose_config(["model=bench_1b", f"model.num_layers={layers}"]).model).total
 
@@ -183,9 +183,9 @@ def test_real_tp2_sp_trace_puts_sequence_parallel_traffic_on_tp():
     # The alpha-beta model's call list for this layout predicts the traced TP traffic exactly.
     from collections import Counter
 
-    from gridwright.comm_model import predict_step_communication
-    from gridwright.compose import compose_config
-    from gridwright.layout import ParallelLayout
+    from gridwright.planning.comm_model import predict_step_communication
+    from gridwright.config.compose import compose_config
+    from gridwright.planning.layout import ParallelLayout
 
     cfg = compose_config(CAPTURE + ["parallel.tp=2", "parallel.sp=true"])
     predicted = predict_step_communication(cfg, ParallelLayout.from_config(cfg))["tp"]

@@ -25,13 +25,13 @@ from checkpoint_payloads import (
 )
 from conftest import REPO
 
-from gridwright.checkpoint_trust import (
+from gridwright.checkpoints.checkpoint_trust import (
     CITED,
     UntrustedCheckpointFile,
     load_torch_file,
     read_dcp_metadata,
 )
-from gridwright.loopback import free_port
+from gridwright.runtime.loopback import free_port
 
 
 def run(args: list[str], cwd: Path, timeout=300) -> subprocess.CompletedProcess:
@@ -144,7 +144,7 @@ def test_guarded_torch_load_overrides_a_callers_weights_only_false(tmp_path):
     torch.save({"w": torch.arange(3.0), "x": Payload(tmp_path / "marker", 1)}, buffer)
     clean = io.BytesIO()
     torch.save({"w": torch.arange(3.0)}, clean)
-    code = ("import io, sys, torch; from gridwright.checkpoint_trust import guard_process; guard_process(); "
+    code = ("import io, sys, torch; from gridwright.checkpoints.checkpoint_trust import guard_process; guard_process(); "
             "data = sys.stdin.buffer.read(); n = int(sys.argv[1]); "
             "print(torch.load(io.BytesIO(data[:n]), weights_only=False)['w'].tolist()); "
             "torch.load(io.BytesIO(data[n:]), weights_only=False)")

@@ -7,7 +7,7 @@ import pytest
 from gridwright.engines.deepspeed_config import deepspeed_config
 from gridwright.engines.zero_settings import (GRIDWRIGHT_KEYS, explicit_deepspeed_only_keys,
                                               resolved_zero_settings, zero_settings_problems)
-from gridwright.layout import ParallelLayout
+from gridwright.planning.layout import ParallelLayout
 
 DS = ["engine=deepspeed"]
 GPU8_8B = DS + ["model=llama3_8b", "cluster=dgx_h100", "precision=bf16", "train.micro_batch_size=1",
@@ -175,8 +175,8 @@ def test_explicit_deepspeed_only_keys(compose):
 
 
 def test_plan_records_the_settings(compose):
-    from gridwright.plan_record import plan_record
-    from gridwright.validation import validate
+    from gridwright.planning.plan_record import plan_record
+    from gridwright.config.validation import validate
 
     cfg = compose(*DS, "zero=stage2", "zero.reduce_bucket_size=12345")
     layout, placement = validate(cfg, for_launch=False)
@@ -204,7 +204,7 @@ def test_module_imports_neither_torch_nor_deepspeed():
 def test_validation_refuses_through_each_engines_rules(compose):
     """engine=deepspeed reports zero_settings_problems; engine=megatron refuses every
     DeepSpeed-only key it was given."""
-    from gridwright.validation import ConfigError, validate
+    from gridwright.config.validation import ConfigError, validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose(*DS, "zero=stage2", "zero.allgather_bucket_size=1001"), for_launch=False)

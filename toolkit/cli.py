@@ -12,16 +12,16 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
-from .compose import composition_notes, strip_hydra
+from .config.compose import composition_notes, strip_hydra
 from .atomic_io import unwritable_reason, write_text_atomic
-from .checkpoint_dir import nothing_to_resume
-from .jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
+from .checkpoints.checkpoint_dir import nothing_to_resume
+from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
                      read_json, same_job)
-from .memory_estimate import estimate_memory
-from .model_math import param_counts
-from .plan_record import plan_lines, plan_record
-from .schema import RunConfig
-from .validation import ConfigError, validate
+from .planning.memory_estimate import estimate_memory
+from .planning.model_math import param_counts
+from .planning.plan_record import plan_lines, plan_record
+from .config.schema import RunConfig
+from .config.validation import ConfigError, validate
 
 EXIT_INVALID = 2
 
@@ -66,12 +66,12 @@ def unknown_key_message(e) -> str:
     known = list(node.keys()) if isinstance(node, DictConfig) else []
     near = difflib.get_close_matches(leaf, known, n=1)
     hint = f" Did you mean {parent + '.' if parent else ''}{near[0]}?" if near else ""
-    return f"error: {key} is not a key of the experiment's schema (gridwright.schema).{hint}"
+    return f"error: {key} is not a key of the experiment's schema (gridwright.config.schema).{hint}"
 
 
 def check_not_running(job_dir) -> None:
     """A job re-run while its owner still runs would be two runs in one directory."""
-    from . import run_owner
+    from .tracking import run_owner
 
     owner = run_owner.owner(job_dir)
     if owner and run_owner.owner_gone(owner) is False:
@@ -84,7 +84,7 @@ def absolute_paths(cfg) -> None:
     (Slurm's submission directory, another node's home) and must find the same files."""
     from pathlib import Path
 
-    from .tracking_store import absolute_uri
+    from .tracking.store import absolute_uri
 
     cfg.tracking.uri = absolute_uri(cfg.tracking.uri)
     for key in ("save", "load"):
@@ -177,7 +177,7 @@ def run_locally(cfg, layout, job_dir) -> int:
 
     env, run_id = {}, None
     if cfg.tracking.enabled:
-        from . import sweep, tracking
+        from .tracking import sweep, mlflow_runs as tracking
 
         run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags(), name_suffix=sweep.run_name_suffix())
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
@@ -197,7 +197,7 @@ def run_locally(cfg, layout, job_dir) -> int:
         except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
             print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))
     elif code == 0 and not stopped_by:
-        print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.sync {job_dir}")
+        print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.tracking.sync {job_dir}")
     if stopped_by:
         print(f"stopped: signal {stopped_by}; see {job_dir}", file=sys.stderr)
         return 128 + int(stopped_by)
@@ -246,7 +246,7 @@ def main() -> None:
     """Console entry point `gridwright`, the same as `python launch.py`."""
     import hydra
 
-    from .compose import CONF_DIR
+    from .config.compose import CONF_DIR
 
     user_config_dir_first()
 
@@ -261,7 +261,7 @@ def main() -> None:
                 sys.exit(code)
             return None
         # A sweep (-m) reports an invalid or failed point and goes on to the next. The
-        # point's exit code, or its exception, is what gridwright.sweep records for it.
+        # point's exit code, or its exception, is what gridwright.tracking.sweep records for it.
         num = HydraConfig.get().job.num
         try:
             code = run(cfg)

@@ -3,7 +3,7 @@ file-layout fact gridwright depends on, and the private torch call its DeepSpeed
 makes, behind a version check.
 
 Importing this package (or any module in it) refuses a DeepSpeed other than the tested
-release (`gridwright.deepspeed_version`), unless GRIDWRIGHT_UNTESTED_DEEPSPEED=1 lets a
+release (`gridwright.versions.deepspeed_version`), unless GRIDWRIGHT_UNTESTED_DEEPSPEED=1 lets a
 user try anyway, with a warning. Modules:
 
     universal         the universal checkpoint: the state its converter needs, the
@@ -21,6 +21,6 @@ test. Public DeepSpeed API (`deepspeed.initialize`, the engine's forward, backwa
 step, save and load) is used directly by the engines. Modules import DeepSpeed lazily:
 importing the fence costs only the version check.
 """
-from ..deepspeed_version import refuse_untested
+from ..versions.deepspeed_version import refuse_untested
 
 refuse_untested()

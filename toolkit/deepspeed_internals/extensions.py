@@ -30,7 +30,7 @@ def not_yet_built(names: list[str]) -> list[str]:
     torch: the ones the run will compile."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from ..deepspeed_version import installed_build_info
+    from ..versions.deepspeed_version import installed_build_info
 
     installed_ops = (installed_build_info() or {}).get("installed_ops", {})
     out = []

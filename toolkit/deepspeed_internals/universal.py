@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint_trust import load_torch_file
+from ..checkpoints.checkpoint_trust import load_torch_file
 
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 

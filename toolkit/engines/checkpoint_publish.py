@@ -15,8 +15,8 @@ from typing import Iterator
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoint_dir import LATEST, iteration_name, iterations, step_of
-from ..disk_space import DiskFull, is_disk_full, no_space_message
+from ..checkpoints.checkpoint_dir import LATEST, iteration_name, iterations, step_of
+from ..planning.disk_space import DiskFull, is_disk_full, no_space_message
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..atomic_io import scratch_directory, write_text_atomic
-from ..checkpoint_dir import (
+from ..checkpoints.checkpoint_dir import (
     DEEPSPEED_MANIFEST,
     CheckpointError,
     checkpoint_to_load,
@@ -44,10 +44,10 @@ from ..checkpoint_dir import (
     model_differences,
     read_common,
 )
-from ..checkpoint_trust import guarded_module_command, refuse_pickled_code_on_every_rank
+from ..checkpoints.checkpoint_trust import guarded_module_command, refuse_pickled_code_on_every_rank
 from ..deepspeed_internals import universal
-from ..logits_digest import digest, sample_tokens
-from ..disk_space import checkpoint_bytes
+from ..checkpoints.logits_digest import digest, sample_tokens
+from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
 from .deepspeed_rules import resharding, settings
 

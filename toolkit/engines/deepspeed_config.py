@@ -2,7 +2,7 @@
 settings (`conf/zero`), built once here for both DeepSpeed trainers."""
 from __future__ import annotations
 
-from ..layout import ParallelLayout
+from ..planning.layout import ParallelLayout
 from .optimizer_schedule import optimizer_config
 from .zero_settings import GRIDWRIGHT_KEYS, ZEROPP_OFF, resolved_zero_settings
 

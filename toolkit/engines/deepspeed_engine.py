@@ -20,10 +20,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_dir import holds_checkpoints
-from ..data_source import make_source
+from ..checkpoints.checkpoint_dir import holds_checkpoints
+from ..data.data_source import make_source
 from ..deepspeed_internals.engine_state import data_parallel_group, skipped_steps
-from ..layout import ParallelLayout
+from ..planning.layout import ParallelLayout
 from .deepspeed_config import deepspeed_config
 from .deepspeed_evaluation import held_out_loss
 from .deepspeed_rules import builds_megatron_model

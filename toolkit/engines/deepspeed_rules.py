@@ -166,8 +166,8 @@ def _feature_problems(cfg, layout) -> list[str]:
 
 
 def _machine_problems(cfg) -> list[str]:
-    from ..deepspeed_version import refusal
-    from ..machine_probe import probe
+    from ..versions.deepspeed_version import refusal
+    from ..planning.machine_probe import probe
 
     out = []
     problem = refusal()
@@ -220,8 +220,8 @@ def checkpoint_problems(cfg) -> list[str]:
     """`checkpoint.load` is this engine's own checkpoint root (resumed whole), a Hugging
     Face folder (initial weights), or with `parallel.tp>1` a Megatron-Core checkpoint
     (initial weights, e.g. one hf-to-megatron wrote)."""
-    from ..checkpoint_dir import checkpoint_to_load, describe_problem, holds_checkpoints, read_common
-    from ..layout import ParallelLayout
+    from ..checkpoints.checkpoint_dir import checkpoint_to_load, describe_problem, holds_checkpoints, read_common
+    from ..planning.layout import ParallelLayout
 
     ck = cfg.checkpoint
     if not ck.load:
@@ -250,7 +250,7 @@ def checkpoint_problems(cfg) -> list[str]:
 def initial_hf_weights_problems(hf_dir: str, model_cfg) -> list[str]:
     """engine=deepspeed starts from a Hugging Face folder's weights (checkpoint.load, when
     it is not a checkpoint root to resume): it must be one, of this model's shape."""
-    from ..checkpoint_dir import model_differences
+    from ..checkpoints.checkpoint_dir import model_differences
     from ..families.declaration import UnsupportedModel
     from ..families.hf_config import model_config_from_hf, read_hf_config
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data_source import make_source
+from ..data.data_source import make_source
 from ..deepspeed_internals.engine_state import skipped_steps
-from ..layout import ParallelLayout
+from ..planning.layout import ParallelLayout
 from .deepspeed_evaluation import held_out_loss
 from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
 
@@ -132,7 +132,7 @@ class DeepSpeedTensorParallelTrainer:
         if not on_cpu:
             model.cuda(torch.cuda.current_device())
         if cfg.checkpoint.load:  # initial weights only, before DeepSpeed copies them into its fp32 masters
-            from ..checkpoint_dir import checkpoint_to_load
+            from ..checkpoints.checkpoint_dir import checkpoint_to_load
             from .megatron_checkpoint import load_model_weights
 
             load_model_weights([model], checkpoint_to_load(cfg.checkpoint.load))

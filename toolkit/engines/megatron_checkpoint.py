@@ -17,16 +17,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_dir import (
+from ..checkpoints.checkpoint_dir import (
     CheckpointError,
     checkpoint_to_load,
     engine_of,
     iteration_name,
     model_differences,
 )
-from ..checkpoint_trust import read_dcp_metadata, refuse_pickled_code_on_every_rank
+from ..checkpoints.checkpoint_trust import read_dcp_metadata, refuse_pickled_code_on_every_rank
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
-from ..disk_space import checkpoint_bytes
+from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
 
 
@@ -42,7 +42,7 @@ def _rng_state() -> dict:
     state = {
         "python": random.getstate(),
         # numpy's state as torch and Python values: a checkpoint holds no numpy objects, whose
-        # unpickling (dtype.__setstate__) a crafted file could abuse (gridwright.checkpoint_trust).
+        # unpickling (dtype.__setstate__) a crafted file could abuse (gridwright.checkpoints.checkpoint_trust).
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),

@@ -13,12 +13,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..data_source import make_source
-from ..layout import ParallelLayout
+from ..data.data_source import make_source
+from ..planning.layout import ParallelLayout
 from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
-from ..machine_probe import transformer_engine_available
+from ..planning.machine_probe import transformer_engine_available
 from .megatron_model import (
     build_model_chunks,
     choose_torch_native_paths,

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..layout import ParallelLayout
+from ..planning.layout import ParallelLayout
 from .timeouts import collective_timeout
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
-from ..validation import fp8_backend
+from ..config.validation import fp8_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

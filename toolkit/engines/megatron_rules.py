@@ -62,7 +62,7 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
 
 def checkpoint_problems(cfg) -> list[str]:
     """Why `checkpoint.load` cannot be resumed (or started from) by this engine."""
-    from ..checkpoint_dir import describe_problem
+    from ..checkpoints.checkpoint_dir import describe_problem
 
     ck = cfg.checkpoint
     if not ck.load or cfg.launcher.name != "local":

@@ -12,9 +12,9 @@ import time
 
 import torch.distributed as dist
 
-from ..heartbeat import NO_PROGRESS
-from ..profiling import ProfileWindow
-from ..step_metrics import timed_step, write_memory_record
+from ..runtime.heartbeat import NO_PROGRESS
+from ..runtime.profiling import ProfileWindow
+from ..runtime.step_metrics import timed_step, write_memory_record
 from .registry import rules
 
 

@@ -2,7 +2,7 @@
 gridwright depends on, behind a version check.
 
 Importing this package (or any module in it) refuses a Megatron-Core other than the
-tested release (`gridwright.megatron_version`), unless GRIDWRIGHT_UNTESTED_MEGATRON_CORE=1
+tested release (`gridwright.versions.megatron_version`), unless GRIDWRIGHT_UNTESTED_MEGATRON_CORE=1
 lets a user try anyway, with a warning. Modules:
 
     fixes              Megatron-Core bugs without Transformer Engine or Apex (GPU too)
@@ -17,6 +17,6 @@ tests check that every cited line is still in the installed Megatron-Core, so an
 upgrade that fixes one fails the test and the patch can go. Public Megatron-Core API
 (GPTModel, parallel_state, the schedules) is used directly by the engines.
 """
-from ..megatron_version import refuse_untested
+from ..versions.megatron_version import refuse_untested
 
 refuse_untested()

@@ -1,4 +1,4 @@
-"""One training process, started by torchrun: `python -m gridwright.worker --job-dir DIR`.
+"""One training process, started by torchrun: `python -m gridwright.runtime.worker --job-dir DIR`.
 
 Reads the job's composed config, checks that the process groups Megatron-Core builds
 are the placement that was printed, trains, and (on the one logging rank) writes
@@ -19,14 +19,14 @@ import signal
 import sys
 from pathlib import Path
 
-from .atomic_io import write_text_atomic
-from .checkpoint_dir import hold_writer_lock, latest_checkpoint
-from .checkpoint_trust import UntrustedCheckpointFile, guard_process
+from ..atomic_io import write_text_atomic
+from ..checkpoints.checkpoint_dir import hold_writer_lock, latest_checkpoint
+from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
 from .jobdir import (METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
 from .known_warnings import filter_known_warnings
-from .layout import ParallelLayout
-from .disk_space import DiskFull
+from ..planning.layout import ParallelLayout
+from ..planning.disk_space import DiskFull
 from .heartbeat import Heartbeat
 from .process_tree import TOKEN_ENV, die_with_parent, end_descendants
 from .step_metrics import StepMetrics, read_memory_records
@@ -69,7 +69,7 @@ class Reporter:
         # when it closes it; a run opened here (torchrun/Slurm) gets them from this rank.
         self.opened_run_here = False
         if cfg.tracking.enabled:
-            from . import tracking
+            from ..tracking import mlflow_runs as tracking
 
             try:
                 run_id = os.environ.get("MLFLOW_RUN_ID")
@@ -152,7 +152,7 @@ class Reporter:
         """End the MLflow run this rank opened (torchrun, Slurm); the local launcher ends its own."""
         if self.mlflow is None or not self.opened_run_here:
             return
-        from . import tracking
+        from ..tracking import mlflow_runs as tracking
 
         self.opened_run_here = False
         try:
@@ -241,8 +241,8 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     """Validation's machine checks, repeated where the job runs: a Slurm or multi-node
     torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
     in bf16 while MFU divided by the FP8 peak."""
-    from .machine_probe import transformer_engine_available
-    from .validation import fp8_machine_problems, torch_native_machine_problems
+    from ..planning.machine_probe import transformer_engine_available
+    from ..config.validation import fp8_machine_problems, torch_native_machine_problems
 
     te = cfg.cluster.device == "cuda" and transformer_engine_available()
     problems = fp8_machine_problems(cfg, te) + torch_native_machine_problems(cfg, te)
@@ -283,7 +283,7 @@ def train(job_dir: Path) -> int:
     def on_step(step, raw):
         state["reporter"].on_step(step, raw)
 
-    from .engines.training_loop import run_training
+    from ..engines.training_loop import run_training
 
     heartbeat = Heartbeat(job_dir, rank, os.environ.get(TOKEN_ENV))
     try:
@@ -306,7 +306,7 @@ def train(job_dir: Path) -> int:
 def evaluate_communication(job_dir: Path) -> dict:
     """Analyse every rank's trace (all were written before training's final barrier), beside
     the plan's prediction (plan.json, when the cluster named a comm profile)."""
-    from .trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report, summary_of
+    from ..analysis.trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report, summary_of
 
     try:
         doc = analyze(job_dir)

@@ -1,4 +1,4 @@
-"""Log job and sweep directories into MLflow afterwards: `python -m gridwright.sync PATH...`
+"""Log job and sweep directories into MLflow afterwards: `python -m gridwright.tracking.sync PATH...`
 
 For runs made where MLflow is not installed or was switched off (`tracking=off`, as on
 the GPU machines). Each job directory has a stable id (`job.json`) and each sweep one
@@ -6,7 +6,7 @@ the GPU machines). Each job directory has a stable id (`job.json`) and each swee
 only what is missing. A job directory becomes one run (params, step metrics from
 metrics.jsonl, the summary as `summary.*` metrics, its files as artifacts, FINISHED when
 it left summary.json, else FAILED); a sweep directory becomes a parent run with a
-nested run per point and the comparison table and plots (gridwright.sweep_report).
+nested run per point and the comparison table and plots (gridwright.tracking.sweep_report).
 
 The store: --tracking-uri, else MLFLOW_TRACKING_URI, else the job's own `tracking.uri`
 (`sqlite:///mlflow.db` relative to the current directory by default).
@@ -18,10 +18,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import tracking
-from .jobdir import is_job_dir, is_sweep_dir, load_job_config
+from . import mlflow_runs as tracking
+from ..runtime.jobdir import is_job_dir, is_sweep_dir, load_job_config
 from .sweep import SweepRecord
-from .tracking_store import absolute_uri
+from .store import absolute_uri
 
 EXIT_BAD_INPUT = 2
 
@@ -52,7 +52,7 @@ def sync_job(path: Path, uri_arg: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gridwright.sync", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gridwright.tracking.sync", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="job or sweep directories")
     parser.add_argument("--tracking-uri", default=None, help="MLflow store (default: see above)")

@@ -2,7 +2,7 @@
 
 `evaluate.profile_steps=[first, last)` traces those steps; each rank writes
 `traces/rank_NNNNN.json.gz` (Chrome trace format, gzip) into the job directory, where
-`gridwright.trace_analysis` reads them. The profiler is started and stopped by hand
+`gridwright.analysis.trace_analysis` reads them. The profiler is started and stopped by hand
 rather than through its wait/warmup/active schedule, so that the traced steps are
 exactly the ones named, and every step is marked by a `gridwright_step_N` range (the
 interval the step timer measures, `step_metrics.timed_step`), which the analysis takes
@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .atomic_io import write_text_atomic
+from ..atomic_io import write_text_atomic
 
 TRACES_DIR = "traces"
 STEP_RANGE_PREFIX = "gridwright_step_"

@@ -20,8 +20,8 @@ def _conf_dir() -> Path:
     package data), else the repository's (`toolkit/../conf`, an editable install)."""
     if os.environ.get("GRIDWRIGHT_CONF"):
         return Path(os.environ["GRIDWRIGHT_CONF"])
-    here = Path(__file__).resolve().parent
-    return here / "conf" if (here / "conf" / "config.yaml").is_file() else here.parent / "conf"
+    package = Path(__file__).resolve().parents[1]  # gridwright/ (toolkit/ in the repository)
+    return package / "conf" if (package / "conf" / "config.yaml").is_file() else package.parent / "conf"
 
 
 CONF_DIR = _conf_dir()

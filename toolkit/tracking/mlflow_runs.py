@@ -9,7 +9,7 @@ directory's files (`log_job_results`), used both live and afterwards:
   Jobs emitted for Slurm or multi-node torchrun have no launching process on the cluster,
   so there the logging rank opens the run itself.
 * afterwards: `log_job_dir` and `log_sweep` log job and sweep directories written without
-  MLflow (`python -m gridwright.sync`), found again by their stable ids, so twice is once.
+  MLflow (`python -m gridwright.tracking.sync`), found again by their stable ids, so twice is once.
 
 A `-m` sweep is one parent run with a nested run per point (tag `mlflow.parentRunId`).
 """
@@ -23,16 +23,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
+from ..runtime.jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
                      job_record, load_job_config, read_json, read_metrics)
-from .layout import ParallelLayout
-from .profiling import TRACES_DIR
+from ..planning.layout import ParallelLayout
+from ..runtime.profiling import TRACES_DIR
 from . import run_owner
 from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
-from .trace_analysis import COMMUNICATION_FILE
-from .tracking_store import bound_http_waits, tracking_uri
+from ..analysis.trace_analysis import COMMUNICATION_FILE
+from .store import bound_http_waits, tracking_uri
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Without this tag the MLflow 3 UI opens an experiment on its (empty) GenAI page.
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
@@ -340,7 +340,7 @@ class MetricsLogger:
 
     Tracking never stops training: the first failure (a store gone, a server down) is
     reported once and logging stops; the job directory holds every metric, and `python -m
-    gridwright.sync DIR` catches MLflow up later."""
+    gridwright.tracking.sync DIR` catches MLflow up later."""
 
     def __init__(self, cfg, run_id: str, job_dir: Path | None = None):
         from mlflow.tracking import MlflowClient
@@ -374,7 +374,7 @@ class MetricsLogger:
 
 def tracking_failure_line(what: str, error: str, job_dir: Path | None) -> str:
     """The one line a tracking failure gets: what failed, and how MLflow catches up."""
-    later = f"python -m gridwright.sync {job_dir}" if job_dir else "python -m gridwright.sync JOB_DIR"
+    later = f"python -m gridwright.tracking.sync {job_dir}" if job_dir else "python -m gridwright.tracking.sync JOB_DIR"
     return (f"mlflow      {what} failed ({error}); the job directory keeps the record (training is not "
             f"stopped for MLflow): {later} logs it later")
 

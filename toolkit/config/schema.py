@@ -2,7 +2,7 @@
 
 Hydra merges every YAML file of `conf/` into these dataclasses, so a misspelt key or a
 value of the wrong type is an error at composition time, before anything runs. The
-dataclasses carry no logic; validation lives in `gridwright.validation`.
+dataclasses carry no logic; validation lives in `gridwright.config.validation`.
 """
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """Training data: synthetic tokens, or datasets made by `python -m gridwright.prepare_data`."""
+    """Training data: synthetic tokens, or datasets made by `python -m gridwright.data.prepare_data`."""
 
     kind: str = "synthetic"  # synthetic | indexed
     paths: list[str] = field(default_factory=list)  # dataset prefixes (without .bin/.idx)
@@ -237,7 +237,7 @@ class CheckpointConfig:
     # true: resume from the newest intact one instead.
     fallback: bool = False
     # Checkpoint files are pickles, and a pickle can run code when read. They are read with
-    # an allowlist (gridwright.checkpoint_trust) and refused when they need more; true: read
+    # an allowlist (gridwright.checkpoints.checkpoint_trust) and refused when they need more; true: read
     # them with full pickle, for a checkpoint of your own that carries other objects.
     trust_pickled_code: bool = False
 
@@ -246,7 +246,7 @@ class CheckpointConfig:
 class EvaluateConfig:
     """What a run measures about itself beyond loss and throughput."""
 
-    # FLOPs definition behind `mfu` (gridwright.model_math): megatron (causal attention
+    # FLOPs definition behind `mfu` (gridwright.planning.model_math): megatron (causal attention
     # halved, as Megatron-LM) | palm (attention in full, as PaLM and TorchTitan).
     flops_definition: str = "megatron"
     # [first, last): steps traced with torch.profiler on every rank; None: no tracing.
@@ -276,7 +276,7 @@ class RunConfig:
     """The whole experiment, as composed by Hydra from `conf/`."""
 
     # The experiment's name (job directories, MLflow run names). Presets set it; otherwise
-    # composition derives it from the model and the groups chosen (gridwright.compose).
+    # composition derives it from the model and the groups chosen (gridwright.config.compose).
     name: Optional[str] = None
     job_root: str = "jobs"
     # Explicit job directory; it must not exist yet. None: job_root/experiment/<time>.

@@ -3,14 +3,14 @@
 `SweepCallback` is registered in conf/config.yaml (`hydra.callbacks`). Hydra's basic
 launcher runs the points one after another in this process, so the callback opens the
 sweep before the first point, places each point's job directory inside the sweep
-directory (gridwright.jobdir), records each point in `sweep.json` as it ends, and at the
-end writes the comparison (gridwright.sweep_report) and closes the parent run.
+directory (gridwright.runtime.jobdir), records each point in `sweep.json` as it ends, and at the
+end writes the comparison (gridwright.tracking.sweep_report) and closes the parent run.
 
 `sweep.json` is rewritten atomically after every point: the sweep's overrides, and per
 point its number, overrides, job directory (relative to the sweep directory when inside
 it), status (`finished`, `failed`, `invalid` with the one-line validation error,
 `planned` when nothing ran here) and its stable id. With tracking off nothing touches
-MLflow; `python -m gridwright.sync SWEEP_DIR` logs the directory later, the same way.
+MLflow; `python -m gridwright.tracking.sync SWEEP_DIR` logs the directory later, the same way.
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import open_dict, read_write
 
-from . import tracking
-from .atomic_io import write_text_atomic
-from .compose import strip_hydra
-from .jobdir import (JOB_FILE, SWEEP_FILE, JobDirExists, check_job_dir_free, create_sweep_dir, enter_sweep_point,
+from . import mlflow_runs as tracking
+from ..atomic_io import write_text_atomic
+from ..config.compose import strip_hydra
+from ..runtime.jobdir import (JOB_FILE, SWEEP_FILE, JobDirExists, check_job_dir_free, create_sweep_dir, enter_sweep_point,
                      leave_sweep_point, planned_job_dir, read_json)
-from .layout import ParallelLayout
+from ..planning.layout import ParallelLayout
 from .sweep_report import name_suffix, override_key, point_label, swept_keys, write_report
-from .validation import ConfigError, validate
+from ..config.validation import ConfigError, validate
 
 EXIT_INVALID = 2
 
@@ -110,7 +110,7 @@ class ActiveSweep:
                 self.client = client
             except Exception as e:  # noqa: BLE001 - the sweep's records still go to sweep.json
                 print(f"error: MLflow at {uri} failed ({type(e).__name__}: {one_line(e)}); the sweep is "
-                      f"recorded in {sweep_dir} only: log it later with python -m gridwright.sync",
+                      f"recorded in {sweep_dir} only: log it later with python -m gridwright.tracking.sync",
                       file=sys.stderr)
 
     def run_tags(self) -> dict[str, str]:
@@ -124,7 +124,7 @@ _active: ActiveSweep | None = None
 
 
 def run_name_suffix() -> str:
-    """What the run of the point starting now adds to its name (gridwright.tracking.run_name)."""
+    """What the run of the point starting now adds to its name (gridwright.tracking.mlflow_runs.run_name)."""
     if _active is None:
         return ""
     return name_suffix(_active.record.overrides, _active.point_overrides)
@@ -236,6 +236,6 @@ class SweepCallback(Callback):
         print(f"sweep       {len(sweep.record.points)} points ({report.counts_text()}); "
               f"comparison in {sweep.dir / 'comparison.md'}", flush=True)
         if sweep.client is None:
-            print(f"            log it to MLflow with: python -m gridwright.sync {sweep.dir}", flush=True)
+            print(f"            log it to MLflow with: python -m gridwright.tracking.sync {sweep.dir}", flush=True)
         for point in sweep.record.points:
             print(f"  {point_label(point):<24} {point['status']:<9} {point['error'][:120]}", file=sys.stdout)

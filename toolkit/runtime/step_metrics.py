@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory of one training step (definitions in gridwright.model_math).
+"""Throughput, MFU and memory of one training step (definitions in gridwright.planning.model_math).
 
 `mfu` is always under the run's `evaluate.flops_definition` (default megatron); `mfu_palm`
 beside it under the palm definition, so numbers compare with either school.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .atomic_io import write_text_atomic
+from ..atomic_io import write_text_atomic
 from .jobdir import RANKS_DIR
-from .model_math import flops_record
+from ..planning.model_math import flops_record
 from .profiling import STEP_RANGE_PREFIX
 
 

@@ -12,15 +12,15 @@ import re
 
 from omegaconf import OmegaConf
 
-from .families.hf_config import family_problems
-from .engines.registry import ENGINES, is_known, rules
-from .families.registry import FAMILIES
-from .layout import ParallelLayout
-from .machine_probe import probe
-from .megatron_version import refusal as megatron_core_refusal
-from .memory_estimate import estimate_memory
-from .model_math import DEFINITIONS as FLOPS_DEFINITIONS
-from .placement import Placement, plan_placement
+from ..families.hf_config import family_problems
+from ..engines.registry import ENGINES, is_known, rules
+from ..families.registry import FAMILIES
+from ..planning.layout import ParallelLayout
+from ..planning.machine_probe import probe
+from ..versions.megatron_version import refusal as megatron_core_refusal
+from ..planning.memory_estimate import estimate_memory
+from ..planning.model_math import DEFINITIONS as FLOPS_DEFINITIONS
+from ..planning.placement import Placement, plan_placement
 
 LAUNCHERS = ("local", "torchrun", "slurm", "plan")
 GPU_REQUESTS = ("auto", "gpus_per_node", "gres", "none")
@@ -427,7 +427,7 @@ def check_engine(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
 
 
 def check_data(cfg) -> list[str]:
-    from .prepare_data import dataset_info
+    from ..data.prepare_data import dataset_info
 
     d, out = cfg.data, []
     if d.kind not in ("synthetic", "indexed"):
@@ -437,7 +437,7 @@ def check_data(cfg) -> list[str]:
     if d.kind == "synthetic":
         return out
     if not d.paths:
-        return out + ["data.kind=indexed needs data.paths (prefixes made by gridwright.prepare_data)."]
+        return out + ["data.kind=indexed needs data.paths (prefixes made by gridwright.data.prepare_data)."]
     if d.weights is not None and len(d.weights) != len(d.paths):
         out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths.")
     if cfg.launcher.name != "local":
@@ -446,7 +446,7 @@ def check_data(cfg) -> list[str]:
     for prefix in d.paths:
         missing = [prefix + s for s in (".bin", ".idx") if not os.path.exists(prefix + s)]
         if missing:
-            out.append(f"dataset files missing: {', '.join(missing)}. Fix: run gridwright.prepare_data first.")
+            out.append(f"dataset files missing: {', '.join(missing)}. Fix: run gridwright.data.prepare_data first.")
             continue
         try:
             info = dataset_info(prefix)
@@ -484,7 +484,7 @@ def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from .checkpoint_dir import LATEST, writer_problem
+    from ..checkpoints.checkpoint_dir import LATEST, writer_problem
 
     ck, out = cfg.checkpoint, []
     if ck.keep_last < 0:
@@ -500,8 +500,8 @@ def check_checkpoint(cfg) -> list[str]:
         if problem:
             out.append(problem)
     if ck.save and cfg.launcher.name == "local":
-        from .atomic_io import unwritable_reason
-        from .disk_space import space_problem
+        from ..atomic_io import unwritable_reason
+        from ..planning.disk_space import space_problem
 
         problem = unwritable_reason(ck.save)
         if problem:
@@ -511,7 +511,7 @@ def check_checkpoint(cfg) -> list[str]:
             if problem:
                 out.append(problem)
     if ck.save and (Path(ck.save) / LATEST).exists():
-        from .jobdir import same_job
+        from ..runtime.jobdir import same_job
 
         same = (ck.load and Path(ck.load).resolve() == Path(ck.save).resolve()) or (
             cfg.job_dir and cfg.launcher.name == "local" and same_job(cfg, Path(cfg.job_dir)))
@@ -528,7 +528,7 @@ def _resume_point(cfg) -> tuple[int, int]:
     adds only the saves still to come, and retention counts those already there."""
     from pathlib import Path
 
-    from .checkpoint_dir import CheckpointError, holds_checkpoints, iterations, latest_checkpoint, step_of
+    from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, iterations, latest_checkpoint, step_of
 
     ck = cfg.checkpoint
     held = len(iterations(ck.save)) if Path(ck.save).is_dir() else 0
@@ -572,13 +572,13 @@ def check_tracking(cfg) -> list[str]:
         return []
     if importlib.util.find_spec("mlflow") is None:
         return ["tracking is on, but MLflow is not installed here. Fix: pip install mlflow==3.17.2, or "
-                "tracking=off (the job directory keeps everything; `python -m gridwright.sync DIR` logs it later)."]
-    from .tracking_store import store_problem, tracking_uri
+                "tracking=off (the job directory keeps everything; `python -m gridwright.tracking.sync DIR` logs it later)."]
+    from ..tracking.store import store_problem, tracking_uri
 
     problem = store_problem(tracking_uri(cfg))
     if problem:
         return [f"{problem}. Fix: point tracking.uri (or MLFLOW_TRACKING_URI) at a store that works (move a "
-                "damaged file aside), or tracking=off (the job directory keeps everything; `python -m gridwright.sync DIR` logs "
+                "damaged file aside), or tracking=off (the job directory keeps everything; `python -m gridwright.tracking.sync DIR` logs "
                 "it later)."]
     return []
 
@@ -610,7 +610,7 @@ def check_host_memory(cfg, layout: ParallelLayout) -> list[str]:
         return []
     import psutil
 
-    from .model_math import param_counts
+    from ..planning.model_math import param_counts
 
     params = param_counts(cfg.model).total
     need = params / (layout.tp * layout.pp) * 16 * cfg.cluster.gpus_per_node
@@ -665,7 +665,7 @@ def check_comm_profile(cfg, layout: ParallelLayout) -> list[str]:
         return []  # a missing file is check_evaluate's message
     if not is_known(cfg) or not rules(cfg).CAPABILITIES.models_communication:
         return []  # nothing is predicted for this engine (the plan says so)
-    from .comm_model import CommProfile, predict_step_communication
+    from ..planning.comm_model import CommProfile, predict_step_communication
 
     try:
         predict_step_communication(cfg, layout, CommProfile.load(path))

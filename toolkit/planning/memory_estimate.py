@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .engines.registry import rules
+from ..engines.registry import rules
 from .layout import ParallelLayout
 from .model_math import param_counts
 

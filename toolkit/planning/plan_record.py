@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .engines.registry import rules
+from ..engines.registry import rules
 from .memory_estimate import estimate_memory
 from .model_math import flops_record, param_counts
 

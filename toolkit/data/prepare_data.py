@@ -1,6 +1,6 @@
 """Tokenize JSONL or plain text into Megatron-Core's indexed dataset (.bin/.idx).
 
-    python -m gridwright.prepare_data --input corpus.jsonl --output-prefix data/corpus \\
+    python -m gridwright.data.prepare_data --input corpus.jsonl --output-prefix data/corpus \\
         [--tokenizer byte | --tokenizer /path/to/hf_tokenizer] [--json-key text]
 
 JSONL: one document per line, its text under --json-key. Plain text (.txt): documents
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic_io import write_text_atomic
+from ..atomic_io import write_text_atomic
 from .text_tokenizer import load_tokenizer
 
 SUFFIXES = (".bin", ".idx", ".json")
@@ -57,7 +57,7 @@ def dataset_info(prefix: str | os.PathLike) -> dict:
     """What prepare_data recorded about a dataset (tokenizer, vocabulary, counts)."""
     path = Path(str(prefix) + ".json")
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {prefix} a dataset made by gridwright.prepare_data?")
+        raise FileNotFoundError(f"{path} not found: is {prefix} a dataset made by gridwright.data.prepare_data?")
     return json.loads(path.read_text())
 
 

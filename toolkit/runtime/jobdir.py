@@ -2,10 +2,10 @@
 
 A job directory is created once and never reused: an existing directory is an error,
 so a second run can never overwrite the records of a first. Each gets a stable id
-(`job.json`), by which MLflow finds its run again (`python -m gridwright.sync`).
+(`job.json`), by which MLflow finds its run again (`python -m gridwright.tracking.sync`).
 
 A `-m` sweep gets one directory `job_root/sweeps/<experiment>/<time>-<id>/` (its record
-is `sweep.json`, see gridwright.sweep); each point's job directory is `<num>-<slug>/` in it.
+is `sweep.json`, see gridwright.tracking.sweep); each point's job directory is `<num>-<slug>/` in it.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 from omegaconf import OmegaConf
 
-from .atomic_io import write_text_atomic
-from .layout import ParallelLayout
-from .placement import Placement
+from ..atomic_io import write_text_atomic
+from ..planning.layout import ParallelLayout
+from ..planning.placement import Placement
 
 CONFIG_FILE = "config.yaml"
 PLACEMENT_JSON = "placement.json"
@@ -174,6 +174,6 @@ def is_sweep_dir(path: Path) -> bool:
 
 def load_job_config(path: Path):
     """The typed config a job was planned with."""
-    from .compose import strip_hydra
+    from ..config.compose import strip_hydra
 
     return strip_hydra(OmegaConf.load(Path(path) / CONFIG_FILE))

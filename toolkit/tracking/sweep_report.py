@@ -2,7 +2,7 @@
 
 Read from each point's job directory (`summary.json`, `plan.json`) and the sweep's
 record (`sweep.json`); written into the sweep directory, and logged to the sweep's
-parent MLflow run by gridwright.tracking. Any field may be missing (a plan-only point,
+parent MLflow run by gridwright.tracking.mlflow_runs. Any field may be missing (a plan-only point,
 a CPU run without MFU, a run without communication measurements): its cell stays empty.
 
 Columns: tokens/s/GPU and step time are means over the steps after the first; MFU is
@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .atomic_io import write_text_atomic
-from .jobdir import PLAN_FILE, SUMMARY_FILE, read_json
+from ..atomic_io import write_text_atomic
+from ..runtime.jobdir import PLAN_FILE, SUMMARY_FILE, read_json
 
 COMPARISON_MD = "comparison.md"
 COMPARISON_CSV = "comparison.csv"
@@ -315,7 +315,7 @@ def comm_profile(sweep_dir: Path, record) -> Path | None:
         job_dir = record.job_dir_of(point, sweep_dir)
         named = read_json(job_dir / PLAN_FILE).get("comm_profile") if job_dir is not None else None
         if named and Path(named).is_file():
-            from .comm_model import CommProfile, plot_profile
+            from ..planning.comm_model import CommProfile, plot_profile
 
             try:
                 return plot_profile(CommProfile.load(named), sweep_dir / COMM_PROFILE_PNG)

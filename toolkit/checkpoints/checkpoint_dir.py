@@ -226,7 +226,7 @@ def read_common(path: str | os.PathLike, trust: bool | None = None) -> dict:
 
 def model_differences(recorded: dict, model_cfg) -> list[str]:
     """Fields of the model config that differ from the one a checkpoint was written for."""
-    from .families.hf_config import head_dim
+    from ..families.hf_config import head_dim
 
     out = []
     for key, value in recorded.items():

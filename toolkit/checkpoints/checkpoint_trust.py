@@ -72,7 +72,7 @@ class UntrustedCheckpointFile(RuntimeError):
 # DeepSpeed's optimizer states hold these objects. Importing DeepSpeed takes seconds and
 # prints, so they are added only when a file names one of them.
 def _deepspeed_allowlist() -> list:
-    from .deepspeed_internals.checkpoint_files import pickled_classes
+    from ..deepspeed_internals.checkpoint_files import pickled_classes
 
     return pickled_classes()
 
@@ -285,7 +285,7 @@ def guard_process(trust: bool = False) -> None:
         return load_torch_file(f, map_location=map_location, **kwargs)  # pickle_module: weights-only has its own
 
     guarded_load._unguarded = real
-    guarded_load.__doc__ = "torch.load, with gridwright's checkpoint allowlist (gridwright.checkpoint_trust)."
+    guarded_load.__doc__ = "torch.load, with gridwright's checkpoint allowlist (gridwright.checkpoints.checkpoint_trust)."
     torch.load = guarded_load
 
     def read_metadata(self, *args, **kwargs):
@@ -310,10 +310,10 @@ def guarded_module_command(module: str, args: list[str]) -> list[str]:
 
     if _PROCESS_TRUSTS:
         return [sys.executable, "-m", module, *args]
-    return [sys.executable, "-m", "gridwright.checkpoint_trust", module, *args]
+    return [sys.executable, "-m", "gridwright.checkpoints.checkpoint_trust", module, *args]
 
 
-if __name__ == "__main__":  # python -m gridwright.checkpoint_trust MODULE ARGS...
+if __name__ == "__main__":  # python -m gridwright.checkpoints.checkpoint_trust MODULE ARGS...
     import runpy
     import sys
 

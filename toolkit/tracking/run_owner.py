@@ -3,7 +3,7 @@
 MLflow cannot tell a run whose process was killed from one still training: both stay
 RUNNING. The process that opened the run (the local launcher, or on torchrun and Slurm
 the logging rank) records itself here; whoever sees the job directory later (the agent at
-its end, `gridwright.sync`, a re-run of the job) closes a RUNNING run whose owner is gone.
+its end, `gridwright.tracking.sync`, a re-run of the job) closes a RUNNING run whose owner is gone.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 
-from .atomic_io import write_text_atomic
-from .jobdir import read_json
+from ..atomic_io import write_text_atomic
+from ..runtime.jobdir import read_json
 
 OWNER_FILE = "run_owner.json"
 

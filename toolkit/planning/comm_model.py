@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic_io import write_text_atomic
+from ..atomic_io import write_text_atomic
 from .layout import ParallelLayout
 from .model_math import param_counts
 
@@ -750,7 +750,7 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     counted at the params dtype). With a profile, raises UnmeasuredGroupSize when a
     needed (collective, group size) was not measured.
     """
-    from .engines.registry import rules
+    from ..engines.registry import rules
 
     if not rules(cfg).CAPABILITIES.models_communication:
         raise ValueError(f"predict_step_communication models the Megatron engine's collectives; engine "

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .profiling import STEP_RANGE_PREFIX, TRACES_DIR, step_times_path
+from ..runtime.profiling import STEP_RANGE_PREFIX, TRACES_DIR, step_times_path
 
 COMMUNICATION_FILE = "communication.json"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

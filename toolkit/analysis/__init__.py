@@ -1,0 +1,1 @@
+"""Analysis of what a run recorded: where each step's time went, from profiler traces."""

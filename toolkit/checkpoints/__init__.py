@@ -1,0 +1,1 @@
+"""Checkpoints on disk: the directory layout, and reading files without running the code they may carry."""

@@ -1,0 +1,1 @@
+"""Configuration: the typed schema, Hydra composition, and every rule a composed experiment must pass."""

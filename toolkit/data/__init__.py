@@ -1,0 +1,1 @@
+"""Training data: synthetic tokens, prepared indexed datasets, and the command that prepares them."""

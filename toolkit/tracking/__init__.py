@@ -1,0 +1,1 @@
+"""MLflow tracking: runs, stores, sweeps and the comparison of their points."""

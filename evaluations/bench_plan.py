@@ -26,7 +26,7 @@ from gridwright.atomic_io import write_text_atomic
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evaluations" / "results"
 HEAVY = ("torch", "megatron", "deepspeed", "transformers", "mlflow")
-GOAL_S = 2.0  # issue #10: a plan of mixtral_ep8 in under 2 s on the 2-core development machine
+GOAL_S = 2.0  # the goal: a plan of mixtral_ep8 in under 2 s on the 2-core development machine
 
 CASES = [
     ["+experiment=mixtral_ep8", "launcher=plan"],

@@ -1,5 +1,5 @@
 """A real Slurm on this host for the tests: munge, slurmctld and two slurmd (nodes n1, n2),
-all under one temporary directory, on free ports (recipe: shared notes, slurm-local.md).
+all under one temporary directory, on free ports (slurmd -N names each node).
 
 Needs root (slurmd runs jobs as their user) and Slurm from the distribution's packages
 (`.ci/run` installs them when missing)."""

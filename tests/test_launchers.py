@@ -43,7 +43,7 @@ def test_multinode_torchrun_emits_one_command_per_node(run_launch, tmp_path):
     assert len(lines) == 8
     for node, line in enumerate(lines):
         assert f"--node_rank={node}" in line and "--nnodes=8" in line and "--nproc_per_node=8" in line
-        assert "--master_addr=10.0.0.1" in line and "NCCL_NVLS_ENABLE=0" in line
+        assert "--master_addr=10.0.0.1" in line and "NCCL_NVLS_ENABLE" not in line  # no policy of gridwright's
         assert f"--job-dir {job}" in line
     assert subprocess.run(["bash", "-n", str(job / "torchrun_commands.sh")]).returncode == 0
 
@@ -74,14 +74,26 @@ def test_slurm_script(run_launch, tmp_path):
     job = only_job_dir(tmp_path)
     script = (job / "job.sbatch").read_text()
     for text in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                 "#SBATCH --account=ml", "export NCCL_NVLS_ENABLE=0", "export TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
-                 "export NVSHMEM_DISABLE_NVLS=1", "--node_rank=$SLURM_NODEID", "placement.json",
+                 "#SBATCH --account=ml", "--node_rank=$SLURM_NODEID", "placement.json",
                  f"-m gridwright.launchers.agent --job-dir {job}", "scontrol show hostnames",
                  f"{sys.executable} -m", "hostname --ip-address", "#SBATCH --requeue",
                  f"--output={job}/slurm-%j-node%n.out"):
         assert text in script, text
     assert subprocess.run(["bash", "-n", str(job / "job.sbatch")]).returncode == 0
     assert f"sbatch {job}/job.sbatch" in result.stdout
+    assert "NCCL_NVLS_ENABLE" not in script  # a cluster's NCCL policy is its own (cluster.env)
+
+
+def test_a_clusters_env_reaches_every_launchers_workers(compose):
+    """cluster.env is exported by every launcher; the development presets carry theirs."""
+    from gridwright.launchers.environment import worker_env
+
+    assert "NCCL_NVLS_ENABLE" not in worker_env(compose("cluster=dgx_h100"))
+    env = worker_env(compose("cluster=dgx_h100", "+cluster.env.NCCL_IB_HCA=mlx5", "+cluster.env.NCCL_DEBUG=WARN"))
+    assert env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_DEBUG"] == "WARN"
+    for preset in ("h100_x1", "h100_x2", "h100_x4"):
+        env = worker_env(compose(f"cluster={preset}"))
+        assert (env["NCCL_NVLS_ENABLE"], env["TORCH_SYMM_MEM_DISABLE_MULTICAST"], env["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
 
 
 def test_large_plan_table_is_compact(run_launch, tmp_path):

@@ -128,6 +128,9 @@ class ClusterConfig:
     # A collective-cost profile (alpha-beta fits) measured on this cluster by
     # `python -m gridwright.evaluations.bench_collectives`; None: no communication prediction.
     comm_profile: Optional[str] = None
+    # Environment variables every launcher exports to this cluster's workers (NCCL tuning,
+    # network interfaces). Empty by default: gridwright sets no cluster policy of its own.
+    env: dict[str, str] = field(default_factory=dict)
     gpu: GpuConfig = field(default_factory=GpuConfig)
 
 

@@ -67,7 +67,8 @@ GOLDEN_SBATCH = {
     "expected_slurm_cuda_container.sbatch": (
         "+experiment=llama3_8b", "launcher=slurm", "launcher.account=ml", hydra_quoted("name", "llama3 8b (ünï run)"),
         hydra_quoted("launcher.constraint", "a100|h100"), "launcher.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
-        "launcher.extra_directives=['--reservation=r1']", hydra_quoted("launcher.setup", "module load cuda")),
+        "launcher.extra_directives=['--reservation=r1']", hydra_quoted("launcher.setup", "module load cuda"),
+        hydra_quoted("+cluster.env.NCCL_IB_HCA", "mlx5_0,mlx5_1"), "+cluster.env.NCCL_SOCKET_IFNAME=ib0"),
 }
 
 
@@ -78,7 +79,8 @@ def test_sbatch_script_matches_golden(compose, name):
 
 
 def test_torchrun_commands_match_golden(compose, monkeypatch):
-    cfg = config(compose, JOB_DIR, "+experiment=llama3_8b", "launcher=torchrun", "launcher.master_addr=10.0.0.1")
+    cfg = config(compose, JOB_DIR, "+experiment=llama3_8b", "launcher=torchrun", "launcher.master_addr=10.0.0.1",
+                 "+cluster.env.NCCL_SOCKET_IFNAME=eth0")
     check_golden("expected_torchrun_commands.sh", torchrun_text(cfg, JOB_DIR, monkeypatch))
 
 

@@ -37,7 +37,7 @@ def main() -> None:
     cfg = compose_config(["+experiment=llama3_70b", "launcher=plan", "cluster.nodes=2048",
                           "train.global_batch_size=4096"])
     t0 = time.perf_counter()
-    layout, _ = validate(cfg)
+    layout = validate(cfg).layout
     print(f"\nvalidate + place llama3_70b on {layout.world_size} GPUs ({layout.describe()}): "
           f"{time.perf_counter() - t0:.3f} s")
 

@@ -23,7 +23,7 @@ def test_every_preset_composes_and_validates(compose, name):
 
     cfg = compose(f"+experiment={name}")
     assert cfg.name == name
-    layout, placement = validate(cfg, for_launch=False)
+    placement = validate(cfg, for_launch=False).placement
     assert placement.world_size == cfg.cluster.nodes * cfg.cluster.gpus_per_node
 
 

@@ -28,8 +28,8 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
 FLOOR_0 = ("gridwright.atomic_io", "gridwright.config.schema", "gridwright.config.compose", "gridwright.planning.layout",
            "gridwright.planning.placement", "gridwright.planning.model_math", "gridwright.planning.memory_estimate",
-           "gridwright.planning.comm_model", "gridwright.planning.disk_space", "gridwright.planning.plan_record",
-           "gridwright.planning.plan", "gridwright.versions", "gridwright.families.declaration",
+           "gridwright.planning.comm_model", "gridwright.planning.disk_space", "gridwright.planning.plan",
+           "gridwright.versions", "gridwright.families.declaration",
            "gridwright.families.common", "gridwright.families.registry", "gridwright.families.llama",
            "gridwright.families.mistral", "gridwright.families.mixtral", "gridwright.families.qwen2",
            "gridwright.families.qwen3", "gridwright.families.qwen3_moe", "gridwright.engines.protocol",

@@ -101,13 +101,13 @@ def test_llama3_8b_weights_by_hand(compose):
     assert est.weights_gib == pytest.approx(8.03e9 * 2 / 2 / 2**30, rel=0.02)
 
 
-MEASURED = sorted((Path(__file__).parents[1] / "evaluations" / "results").glob("eval_sweep_2xh100_*/[0-9]*"))
+MEASURED = sorted((Path(__file__).parent / "data" / "sweeps").glob("eval_sweep_2xh100_*/[0-9]*"))
 
 
 @pytest.mark.parametrize("job", MEASURED, ids=[p.name for p in MEASURED])
 def test_memory_estimate_against_peaks_measured_on_h100(job):
     """The estimate (without its fixed workspace, which the allocator's peak does not hold)
-    against the allocator's peak over all ranks, measured on 2 x H100 (committed results)."""
+    against the allocator's peak over all ranks, measured on 2 x H100 (the sweep's records in tests/data/sweeps)."""
     from omegaconf import OmegaConf
 
     from gridwright.config.compose import strip_hydra
@@ -122,13 +122,15 @@ def test_memory_estimate_against_peaks_measured_on_h100(job):
 
 
 def test_mfu_follows_the_chosen_definition(compose):
+    from gridwright.planning.model_math import flops_record
     from gridwright.runtime.step_metrics import StepMetrics
 
     metrics = {}
     for definition in ("megatron", "palm"):
         cfg = compose("model=llama3_8b", "train.seq_length=8192", "cluster.gpu.peak_bf16_tflops=1000",
                       f"evaluate.flops_definition={definition}")
-        sm = StepMetrics(cfg, world_size=1)
+        plan = {**flops_record(cfg), "tokens_per_step": cfg.train.global_batch_size * 8192}  # plan.json's keys
+        sm = StepMetrics(plan, world_size=1, on_cuda=False)
         metrics[definition] = sm.derive({"step_time_s": cfg.train.global_batch_size * 8192 / 1000.0})
     # 1000 tokens/s/GPU against a 1 PFLOP/s peak: MFU = FLOPs/token / 1e12
     assert metrics["megatron"]["mfu"] == pytest.approx(51_470_401_536 / 1e12)

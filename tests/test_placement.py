@@ -78,7 +78,9 @@ def test_json_and_csv_round_trip():
 def test_mixtral_ep8_plan(compose):
     from gridwright.config.validation import validate
 
-    layout, p = validate(compose("+experiment=mixtral_ep8"), for_launch=False)
+    plan = validate(compose("+experiment=mixtral_ep8"), for_launch=False)
+
+    layout, p = plan.layout, plan.placement
     assert (layout.world_size, layout.ep, layout.dp, layout.expert_dp) == (8, 8, 8, 1)
     assert p.members("ep", 3) == list(range(8))
     assert [int(p.coords["ep"][r]) for r in range(8)] == list(range(8))

@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
-
 HEAVY = ("torch", "megatron", "deepspeed", "transformers", "mlflow")
 
 # Runs launch.py's entry point in this interpreter, then lists the heavy packages imported.
@@ -88,3 +86,30 @@ def test_derived_names(compose):
     assert compose("model=tiny_mixtral", "name=mine").name == "mine"
     # The name exists before values are resolved: `${name}` in a value sees it.
     assert compose("model=tiny_mixtral", "checkpoint.save=ckpt/${name}").checkpoint.save == "ckpt/tiny_mixtral"
+
+
+def test_one_plan_counts_parameters_and_estimates_memory_once(compose, tmp_path, capsys):
+    """Validation, plan.json and the printed plan read one plan: a plan with a memory check
+    and a communication prediction counts the parameters once and estimates memory once
+    (counted by the profiler around the real command, not by a stand-in)."""
+    import cProfile
+    import pstats
+    from pathlib import Path
+
+    from gridwright import cli
+
+    profile = Path(__file__).parent / "data" / "comm_profile_2xh100.json"
+    cfg = compose("+experiment=bench_gpu", "cluster=h100_x2", "launcher=plan", f"job_root={tmp_path}",
+                  f"cluster.comm_profile={profile}")
+    profiler = cProfile.Profile()
+    assert profiler.runcall(cli.run, cfg) == 0
+    calls = {f"{Path(file).name}:{name}": stats[1] for (file, _, name), stats in pstats.Stats(profiler).stats.items()}
+    assert calls["model_math.py:param_counts"] == 1
+    assert calls["memory_estimate.py:estimate_memory"] == 1
+    assert calls["comm_model.py:predict_step_communication"] == 1
+    printed = capsys.readouterr().out
+    plan = json.loads(next(tmp_path.rglob("plan.json")).read_text())
+    # what was printed is what plan.json holds
+    assert f"{plan['memory_estimate_gib']:.1f} GiB = weights" in printed
+    assert f"accumulation {plan['accumulation']} x DP 2" in printed
+    assert plan["predicted_communication"]["dp"]["bytes"] > 0 and "comm/step   dp" in printed

@@ -9,7 +9,7 @@ GPU8 = ["cluster=dgx_h100", "precision=bf16", "zero=stage1", "train.seq_length=4
         "train.micro_batch_size=1", "train.global_batch_size=64"]
 
 # The alpha-beta profile measured on 2 x H100: it has fits for groups of 2 only.
-PROFILE_2GPU = Path(__file__).parents[1] / "evaluations" / "results" / "comm_profile_2xh100.json"
+PROFILE_2GPU = Path(__file__).parent / "data" / "comm_profile_2xh100.json"
 
 BROKEN = {
     # name: (overrides, substrings the message must contain)
@@ -143,7 +143,7 @@ def test_tp_across_nodes_allowed_when_asked(compose):
     cfg = compose(*GPU8, "model=llama3_70b", "cluster.nodes=4", "parallel.tp=16", "model.num_query_groups=16",
                   "parallel.allow_tp_across_nvlink=true", "launcher=plan", "train.recompute=full",
                   "parallel.pp=2", "train.global_batch_size=64")
-    layout, _ = validate(cfg)
+    layout = validate(cfg).layout
     assert layout.tp == 16 and layout.dp == 1
 
 
@@ -151,7 +151,7 @@ def test_nvl72_domain_spans_nodes(compose):
     """On GB200 NVL72 a TP=8 group spans two 4-GPU trays but stays in the 72-GPU NVLink domain."""
     cfg = compose(*GPU8, "cluster=gb200_nvl72", "model=llama3_70b", "parallel.tp=8", "parallel.pp=9",
                   "model.num_layers=81", "launcher=plan", "train.global_batch_size=64")
-    layout, placement = validate(cfg)
+    placement = validate(cfg).placement
     assert placement.members("tp", 0) == list(range(8))
     assert set(placement.host[placement.members("tp", 0)]) == {0, 1}
 

@@ -175,16 +175,13 @@ def test_explicit_deepspeed_only_keys(compose):
 
 
 def test_plan_records_the_settings(compose):
-    from gridwright.planning.plan_record import plan_record
     from gridwright.config.validation import validate
 
     cfg = compose(*DS, "zero=stage2", "zero.reduce_bucket_size=12345")
-    layout, placement = validate(cfg, for_launch=False)
-    assert plan_record(cfg, layout, placement)["zero_settings"] == resolved_zero_settings(cfg)
-    assert plan_record(cfg, layout, placement)["zero_settings"]["reduce_bucket_size"] == 12345
-    cfg = compose("zero=stage1")
-    layout, placement = validate(cfg, for_launch=False)
-    assert plan_record(cfg, layout, placement)["zero_settings"] is None  # engine=megatron
+    record = validate(cfg, for_launch=False).record()
+    assert record["zero_settings"] == resolved_zero_settings(cfg)
+    assert record["zero_settings"]["reduce_bucket_size"] == 12345
+    assert validate(compose("zero=stage1"), for_launch=False).record()["zero_settings"] is None  # engine=megatron
 
 
 def test_sizes_are_integers_in_conf(compose):

@@ -17,9 +17,7 @@ from .atomic_io import unwritable_reason, write_text_atomic
 from .checkpoints.checkpoint_dir import nothing_to_resume
 from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
                      read_json, same_job)
-from .planning.memory_estimate import estimate_memory
-from .planning.model_math import param_counts
-from .planning.plan_record import plan_lines, plan_record
+from .planning.plan import Plan
 from .config.schema import RunConfig
 from .config.validation import ConfigError, validate
 
@@ -30,10 +28,8 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
-def plan_text(cfg, layout, placement, job_dir, plan: dict) -> str:
-    pc = param_counts(cfg.model)
-    t = cfg.train
-    accumulation = t.global_batch_size // (t.micro_batch_size * layout.dp)
+def plan_text(cfg, plan: Plan, job_dir) -> str:
+    pc, layout, t = plan.params, plan.layout, cfg.train
     lines = [
         f"experiment  {cfg.name}   engine {cfg.engine.name}   launcher {cfg.launcher.name}",
         f"model       {cfg.model.name}: {_count(pc.total)} parameters, {cfg.model.num_layers} layers"
@@ -43,15 +39,15 @@ def plan_text(cfg, layout, placement, job_dir, plan: dict) -> str:
         f"layout      {layout.describe()}   world {layout.world_size}   ZeRO stage {cfg.zero.stage}"
         f"   precision {cfg.precision.name}",
         f"batch       global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation "
-        f"{accumulation} x DP {layout.dp}; sequence {t.seq_length}",
+        f"{plan.accumulation} x DP {layout.dp}; sequence {t.seq_length}",
     ]
-    lines += plan_lines(plan)
-    if cfg.cluster.device == "cuda":
-        lines.append(f"memory/GPU  {estimate_memory(cfg, layout).describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
+    lines += plan.lines()
+    if plan.memory is not None:
+        lines.append(f"memory/GPU  {plan.memory.describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
     lines += [f"note        {n}" for n in composition_notes(cfg)]
     lines.append(f"job dir     {job_dir}")
     lines.append("placement")
-    lines.append(placement.table())
+    lines.append(plan.placement.table())
     return "\n".join(lines)
 
 
@@ -104,7 +100,7 @@ def run(hydra_cfg: DictConfig) -> int:
         return EXIT_INVALID
     absolute_paths(cfg)
     try:
-        layout, placement = validate(cfg, for_launch=True)
+        plan = validate(cfg, for_launch=True)
         job_dir = planned_job_dir(cfg)
         rerun = cfg.launcher.name == "local" and same_job(cfg, job_dir)
         if rerun:
@@ -130,10 +126,9 @@ def run(hydra_cfg: DictConfig) -> int:
         print(f"rerun       {job_dir} holds this job already: running it again (it resumes from the newest "
               "checkpoint in checkpoint.save, into its MLflow run)", flush=True)
     else:
-        create_job_dir(cfg, placement, job_dir)
-    plan = plan_record(cfg, layout, placement)
-    write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan, indent=1))
-    print(plan_text(cfg, layout, placement, job_dir, plan), flush=True)
+        create_job_dir(cfg, plan.placement, job_dir)
+    write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan.record(), indent=1))
+    print(plan_text(cfg, plan, job_dir), flush=True)
 
     name = cfg.launcher.name
     if name == "plan":
@@ -152,7 +147,7 @@ def run(hydra_cfg: DictConfig) -> int:
         path = emit_slurm(cfg, job_dir)
         print(f"wrote {path}; submit it with: sbatch {shlex.quote(str(path))}")
         return 0
-    return run_locally(cfg, layout, job_dir)
+    return run_locally(cfg, plan.layout, job_dir)
 
 
 def emitted_script_problem(cfg, job_dir) -> str | None:

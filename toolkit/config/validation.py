@@ -18,9 +18,9 @@ from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout
 from ..planning.machine_probe import probe
 from ..versions.megatron_version import refusal as megatron_core_refusal
-from ..planning.memory_estimate import estimate_memory
 from ..planning.model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from ..planning.placement import Placement, plan_placement
+from ..planning.plan import CommProfileProblem, Plan, derive_plan, predict_communication
 
 LAUNCHERS = ("local", "torchrun", "slurm", "plan")
 GPU_REQUESTS = ("auto", "gpus_per_node", "gres", "none")
@@ -602,7 +602,7 @@ def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
     return out
 
 
-def check_host_memory(cfg, layout: ParallelLayout) -> list[str]:
+def check_host_memory(cfg, plan: Plan) -> list[str]:
     """A CPU run launched here keeps its weights, gradients and Adam's state in this
     machine's memory (16 bytes a parameter in fp32, split over TP and PP): refuse a model
     the machine cannot hold, before its processes allocate their way into the OOM killer."""
@@ -610,9 +610,7 @@ def check_host_memory(cfg, layout: ParallelLayout) -> list[str]:
         return []
     import psutil
 
-    from ..planning.model_math import param_counts
-
-    params = param_counts(cfg.model).total
+    params, layout = plan.params.total, plan.layout
     need = params / (layout.tp * layout.pp) * 16 * cfg.cluster.gpus_per_node
     have = psutil.virtual_memory().total
     if need <= have:
@@ -623,14 +621,14 @@ def check_host_memory(cfg, layout: ParallelLayout) -> list[str]:
             "the job for machines that hold it."]
 
 
-def check_memory(cfg, layout: ParallelLayout) -> list[str]:
-    cap = cfg.cluster.gpu.memory_gib
-    if cfg.cluster.device != "cuda" or cap <= 0:
+def check_memory(gpu, plan: Plan) -> list[str]:
+    """The plan's per-GPU estimate (GPU clusters only) against the GPU's memory."""
+    est, cap = plan.memory, gpu.memory_gib
+    if est is None or cap <= 0:
         return []
-    est = estimate_memory(cfg, layout)
     if est.total_gib > cap:
         return [
-            f"estimated memory per GPU {est.describe()} exceeds {cfg.cluster.gpu.name}'s {cap:.1f} GiB. "
+            f"estimated memory per GPU {est.describe()} exceeds {gpu.name}'s {cap:.1f} GiB. "
             "Fix: train.recompute=full, a higher ZeRO stage, more TP/PP/EP, or a smaller micro-batch."
         ]
     return []
@@ -658,31 +656,12 @@ def check_evaluate(cfg) -> list[str]:
     return out
 
 
-def check_comm_profile(cfg, layout: ParallelLayout) -> list[str]:
-    """A named collective profile must cover every group this layout communicates over."""
-    path = cfg.cluster.comm_profile
-    if path is None or not os.path.isfile(path):
-        return []  # a missing file is check_evaluate's message
-    if not is_known(cfg) or not rules(cfg).CAPABILITIES.models_communication:
-        return []  # nothing is predicted for this engine (the plan says so)
-    from ..planning.comm_model import CommProfile, predict_step_communication
-
-    try:
-        predict_step_communication(cfg, layout, CommProfile.load(path))
-    except LookupError as e:
-        return [f"cluster.comm_profile: {e}"]
-    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-        return [f"cluster.comm_profile={path} is not a gridwright communication profile "
-                f"({type(e).__name__}: {e}). Fix: write one with bench_collectives, or set cluster.comm_profile=null."]
-    return []
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
-    """Check everything; return the layout and placement, or raise ConfigError."""
+def validate(cfg, for_launch: bool = True) -> Plan:
+    """Check everything; return the plan (derived once, here), or raise ConfigError."""
     count_problems = check_counts(cfg)
     problems = check_choices(cfg) + count_problems + check_numbers(cfg) + check_paths(cfg)
     layout = ParallelLayout.from_config(cfg)
@@ -694,7 +673,6 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
         problems += check_context_parallel(cfg, layout)
         problems += check_batch(cfg, layout)
         problems += check_engine(cfg, layout, for_launch)
-        problems += check_comm_profile(cfg, layout)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)
     problems += check_launcher(cfg, for_launch)
@@ -703,12 +681,22 @@ def validate(cfg, for_launch: bool = True) -> tuple[ParallelLayout, Placement]:
     problems += check_checkpoint(cfg)
     problems += check_data(cfg)
     problems += check_evaluate(cfg)
-    placement = None
+    plan = None
     if not problems:
         placement = plan_placement(layout)
         problems += check_nvlink_domains(cfg, placement)
-        problems += check_memory(cfg, layout)
-        problems += check_host_memory(cfg, layout)
+        try:
+            plan = derive_plan(cfg, layout, placement)
+        except CommProfileProblem as e:
+            problems.append(str(e))
+    if plan is not None:
+        problems += check_memory(cfg.cluster.gpu, plan)
+        problems += check_host_memory(cfg, plan)
+    elif counts_ok and not layout_problems and os.path.isfile(cfg.cluster.comm_profile or ""):
+        try:  # no plan for an invalid config, but a profile that cannot price it is one more fix to list
+            predict_communication(cfg, layout)
+        except CommProfileProblem as e:
+            problems.append(str(e))
     if problems:
         raise ConfigError(problems)
-    return layout, placement
+    return plan

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..atomic_io import write_text_atomic
 from .layout import ParallelLayout
-from .model_math import param_counts
+from .model_math import ParamCounts, param_counts
 
 FORMAT = "gridwright-comm-profile/1"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -372,16 +372,17 @@ class _Step:
     layers: int  # transformer layers of this stage (all virtual chunks)
     last_stage: bool  # the first stage is also the last (pp == 1)
     moe: bool
+    params: ParamCounts  # the whole model's parameter counts
 
 
-def _step(cfg, layout: ParallelLayout) -> _Step:
+def _step(cfg, layout: ParallelLayout, params: ParamCounts) -> _Step:
     t, m = cfg.train, cfg.model
     s, cp, tp = int(t.seq_length), layout.cp, layout.tp
     sixteen = cfg.precision.params_dtype in ("bf16", "fp16")
     return _Step(
         s=s, s_cp=s // cp, s_pipe=s // cp // (tp if layout.sp else 1), b=int(t.micro_batch_size),
         h=int(m.hidden_size), act=2 if sixteen else 4, param_bytes=2 if sixteen else 4,
-        micro=int(t.global_batch_size) // (int(t.micro_batch_size) * layout.dp),
+        micro=layout.accumulation(t), params=params,
         layers=int(m.num_layers) // layout.pp, last_stage=layout.pp == 1, moe=int(m.num_experts) > 0,
     )
 
@@ -521,7 +522,7 @@ def _cp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     return c.as_list()
 
 
-def _stage_params(cfg, layout: ParallelLayout) -> tuple[list[int], list[int], int]:
+def _stage_params(cfg, layout: ParallelLayout, st: _Step) -> tuple[list[int], list[int], int]:
     """Parameters one rank of the first stage holds: (dense per layer [for each layer],
     experts per layer [for each layer], dense outside the layers).
 
@@ -533,8 +534,7 @@ def _stage_params(cfg, layout: ParallelLayout) -> tuple[list[int], list[int], in
     moe/experts.py), so with EP = 1 they join the dense buffer. The first stage holds the
     embedding, and with pp == 1 also the final norm and the (untied) output layer.
     """
-    m = cfg.model
-    pc = param_counts(m)
+    m, pc = cfg.model, st.params
     tp, h = layout.tp, int(m.hidden_size)
     head_dim = m.get("head_dim") or h // int(m.num_attention_heads)
     qkv_bias = (int(m.num_attention_heads) + 2 * int(m.num_query_groups)) * head_dim if m.qkv_bias else 0
@@ -616,7 +616,7 @@ def _dp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     if n == 1:
         return []
     c = _Calls(n)
-    dense, _, outside = _stage_params(cfg, layout)
+    dense, _, outside = _stage_params(cfg, layout, st)
     _grad_sync(c, cfg, st, dense, outside, _bucket_elements(cfg, layout), "dense")
     if st.last_stage:
         c.add("all_reduce", 4, 1, "mean loss for logging, once per step")
@@ -627,7 +627,7 @@ def _edp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     """Data parallelism of the expert parameters (group edp): as `_dp_calls`, for the
     separate buffer of expert weights (experts per layer / (EP x expert-TP))."""
     n = layout.expert_dp
-    _, experts, _ = _stage_params(cfg, layout)
+    _, experts, _ = _stage_params(cfg, layout, st)
     if n == 1 or not experts:
         return []
     c = _Calls(n)
@@ -657,7 +657,7 @@ def _pp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     c.add("send_recv", act, v * st.micro, "gradient receive from the next stage, backward")
     c.add("send_recv", act, (v - 1) * st.micro, "gradient send to the last stage (VPP), backward")
     if cfg.model.tie_embeddings:
-        emb = param_counts(cfg.model).embedding // layout.tp
+        emb = st.params.embedding // layout.tp
         c.add("all_reduce", emb * 4, 1, "tied embedding gradient with the last stage (fp32), once per step",
               group_size=2)
     return c.as_list()
@@ -728,7 +728,8 @@ def _ep_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     return c.as_list()
 
 
-def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile | None = None) -> dict:
+def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile | None = None,
+                               params: ParamCounts | None = None) -> dict:
     """Every collective of ONE training step of ONE rank of the first pipeline stage (the
     one with the embedding, and the worst for DP traffic and p2p), by group kind.
 
@@ -755,7 +756,7 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     if not rules(cfg).CAPABILITIES.models_communication:
         raise ValueError(f"predict_step_communication models the Megatron engine's collectives; engine "
                          f"{cfg.engine.name} declares that it has no model")
-    st = _step(cfg, layout)
+    st = _step(cfg, layout, params or param_counts(cfg.model))
     groups = {  # kind -> (placement kind, group size, calls)
         "tp": ("tp", layout.tp, _tp_calls(cfg, layout, st)),
         "cp": ("cp", layout.cp, _cp_calls(cfg, layout, st)),

@@ -53,6 +53,10 @@ class ParallelLayout:
         """Data-parallel degree of the dense (attention) part: world / (TP·PP·CP)."""
         return self.world_size // self.model_parallel_size
 
+    def accumulation(self, train) -> int:
+        """Micro-batches each data-parallel rank runs per step: global / (micro x DP)."""
+        return int(train.global_batch_size) // (int(train.micro_batch_size) * self.dp)
+
     @property
     def expert_model_parallel_size(self) -> int:
         return self.etp * self.ep * self.pp

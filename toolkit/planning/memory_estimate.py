@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..engines.registry import rules
 from .layout import ParallelLayout
-from .model_math import param_counts
+from .model_math import ParamCounts, param_counts
 
 GIB = 1024**3
 WORKSPACE_GIB = 3.0
@@ -86,9 +86,10 @@ def _state_bytes(params: float, dp: int, zero, sharding, sixteen_bit: bool,
     return params * w, params * g, params * o
 
 
-def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
+def estimate_memory(cfg, layout: ParallelLayout, params: ParamCounts | None = None) -> MemoryEstimate:
+    """`params`: the model's parameter counts where the caller has them (a plan does)."""
     m, t = cfg.model, cfg.train
-    pc = param_counts(m)
+    pc = params or param_counts(m)
     tp, pp = layout.tp, layout.pp
     layers = m.num_layers // pp
     sixteen_bit = cfg.precision.params_dtype in ("bf16", "fp16")
@@ -113,7 +114,7 @@ def estimate_memory(cfg, layout: ParallelLayout) -> MemoryEstimate:
     # recomputed for backward.
     per_layer = 2 * sbh / (tp if layout.sp else 1) if t.recompute == "full" else full_layer
     recompute_live = full_layer if t.recompute == "full" else 0.0
-    accumulation = max(1, t.global_batch_size // max(1, t.micro_batch_size * layout.dp))
+    accumulation = max(1, layout.accumulation(t))
     in_flight = min(pp, accumulation)
     if layout.vpp:
         in_flight *= 1 + (pp - 1) / (pp * layout.vpp)

@@ -74,10 +74,9 @@ def param_counts(model) -> ParamCounts:
     )
 
 
-def _active_matmul_params(model, count_router: bool) -> int:
+def _active_matmul_params(model, pc: ParamCounts, count_router: bool) -> int:
     """Weights a token multiplies with: attention, its MLP (or top-k experts), the logits."""
     h, f, L, V = model.hidden_size, model.ffn_hidden_size, model.num_layers, model.vocab_size
-    pc = param_counts(model)
     mlp = model.moe_router_topk * 3 * h * f if model.num_experts else pc.dense_mlp_per_layer
     router = pc.router_per_layer if count_router else 0
     return L * (pc.attention_per_layer + mlp + router) + h * V
@@ -90,46 +89,53 @@ def _attention_score_flops(model, seq_length: int) -> int:
     return 2 * 2 * model.num_layers * seq_length * attn_width
 
 
-def forward_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION) -> float:
+def forward_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION,
+                            params: ParamCounts | None = None) -> float:
+    """`params`: the model's parameter counts where the caller has them (a plan does)."""
     if definition not in DEFINITIONS:
         raise ValueError(f"unknown FLOPs definition '{definition}'; choose one of {', '.join(DEFINITIONS)}")
-    matmul = 2 * _active_matmul_params(model, count_router=definition == "palm")
+    pc = params or param_counts(model)
+    matmul = 2 * _active_matmul_params(model, pc, count_router=definition == "palm")
     scores = _attention_score_flops(model, seq_length)
     return float(matmul + (scores / 2 if HALVES_CAUSAL_SCORES[definition] else scores))
 
 
-def model_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION) -> float:
+def model_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION,
+                          params: ParamCounts | None = None) -> float:
     """Training FLOPs per token (forward + backward), the numerator of MFU."""
-    return 3.0 * forward_flops_per_token(model, seq_length, definition)
+    return 3.0 * forward_flops_per_token(model, seq_length, definition, params)
 
 
-def hardware_flops_per_token(model, seq_length: int, recompute: str,
-                             definition: str = DEFAULT_DEFINITION) -> float:
+def hardware_flops_per_token(model, seq_length: int, recompute: str, definition: str = DEFAULT_DEFINITION,
+                             params: ParamCounts | None = None) -> float:
     """FLOPs the hardware executes, counting recomputed forward passes (HFU)."""
-    model_flops = model_flops_per_token(model, seq_length, definition)
+    pc = params or param_counts(model)
+    model_flops = model_flops_per_token(model, seq_length, definition, pc)
     if recompute == "full":
-        return model_flops + forward_flops_per_token(model, seq_length, definition)
+        return model_flops + forward_flops_per_token(model, seq_length, definition, pc)
     if recompute == "selective":  # Megatron recomputes the core attention only
         scores = _attention_score_flops(model, seq_length)
         return model_flops + (scores / 2 if HALVES_CAUSAL_SCORES[definition] else scores)
     return model_flops
 
 
-def flops_per_token_all(model, seq_length: int) -> dict[str, float]:
+def flops_per_token_all(model, seq_length: int, params: ParamCounts | None = None) -> dict[str, float]:
     """Model FLOPs per token under every definition, for records that name them all."""
-    return {d: model_flops_per_token(model, seq_length, d) for d in DEFINITIONS}
+    pc = params or param_counts(model)
+    return {d: model_flops_per_token(model, seq_length, d, pc) for d in DEFINITIONS}
 
 
-def flops_record(cfg) -> dict:
+def flops_record(cfg, params: ParamCounts | None = None) -> dict:
     """What every MFU number of a run is computed from: definition, FLOPs/token, peak."""
+    pc = params or param_counts(cfg.model)
     t = cfg.train
     fp8 = cfg.precision.fp8_recipe is not None
     gpu = cfg.cluster.gpu
     definition = cfg.evaluate.flops_definition
     return {
         "flops_definition": definition,
-        "flops_per_token": flops_per_token_all(cfg.model, t.seq_length),
-        "hardware_flops_per_token": hardware_flops_per_token(cfg.model, t.seq_length, t.recompute, definition),
+        "flops_per_token": flops_per_token_all(cfg.model, t.seq_length, pc),
+        "hardware_flops_per_token": hardware_flops_per_token(cfg.model, t.seq_length, t.recompute, definition, pc),
         "peak_kind": "fp8" if fp8 else "bf16",
         "peak_tflops": float(gpu.peak_fp8_tflops if fp8 else gpu.peak_bf16_tflops),
     }

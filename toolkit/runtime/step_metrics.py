@@ -15,7 +15,6 @@ import torch
 
 from ..atomic_io import write_text_atomic
 from .jobdir import RANKS_DIR
-from ..planning.model_math import flops_record
 from .profiling import STEP_RANGE_PREFIX
 
 
@@ -61,13 +60,19 @@ def read_memory_records(job_dir) -> dict[int, dict]:
             for p in sorted((Path(job_dir) / RANKS_DIR).glob("memory_*.json"))}
 
 
+# The keys of the plan's FLOPs record (model_math.flops_record), which a run's summary repeats.
+FLOPS_KEYS = ("flops_definition", "flops_per_token", "hardware_flops_per_token", "peak_kind", "peak_tflops")
+
+
 class StepMetrics:
-    def __init__(self, cfg, world_size: int):
-        t = cfg.train
-        self.tokens_per_step = t.global_batch_size * t.seq_length
+    """Per-step metrics from the plan's record (plan.json): the FLOPs, peak and tokens
+    every MFU number is computed from are the plan's own."""
+
+    def __init__(self, plan: dict, world_size: int, on_cuda: bool):
+        self.tokens_per_step = plan["tokens_per_step"]
         self.world_size = world_size
-        self.on_cuda = cfg.cluster.device == "cuda"
-        self.record = flops_record(cfg)
+        self.on_cuda = on_cuda
+        self.record = {k: plan[k] for k in FLOPS_KEYS}
         self.peak_flops = self.record["peak_tflops"] * 1e12
         self.model_flops = self.record["flops_per_token"][self.record["flops_definition"]]
         self.palm_flops = self.record["flops_per_token"]["palm"]

@@ -57,7 +57,7 @@ class Reporter:
 
     def __init__(self, cfg, job_dir: Path, layout: ParallelLayout):
         self.cfg, self.job_dir = cfg, job_dir
-        self.metrics = StepMetrics(cfg, layout.world_size)
+        self.metrics = StepMetrics(read_json(job_dir / PLAN_FILE), layout.world_size, cfg.cluster.device == "cuda")
         self.history: list[dict] = []
         # Steps an earlier attempt of this job recorded (a restart resumes from a checkpoint
         # and repeats the steps after it exactly).

@@ -35,7 +35,7 @@ FLOOR_0 = ("gridwright.atomic_io", "gridwright.config.schema", "gridwright.confi
            "gridwright.families.qwen3", "gridwright.families.qwen3_moe", "gridwright.engines.protocol",
            "gridwright.engines.registry", "gridwright.engines.timeouts", "gridwright.engines.zero_settings",
            "gridwright.runtime.heartbeat", "gridwright.runtime.jobdir", "gridwright.runtime.known_warnings",
-           "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.tracking.run_owner",
+           "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.runtime.outcome", "gridwright.tracking.run_owner",
            "gridwright.tracking.store", "gridwright.tracking.sweep_report")
 FLOOR_2 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
 # Inside gridwright.engines, what validation and planning read without loading an engine.

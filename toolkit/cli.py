@@ -1,7 +1,8 @@
 """What `python launch.py [OVERRIDES]` does with a composed config.
 
 validate -> create the job directory (config + placement) -> print the plan -> launch.
-Nothing is created or started until validation has passed.
+Nothing is created or started until validation has passed. `run` returns an Outcome;
+the exit code and a sweep's record of the point are derived from it.
 """
 from __future__ import annotations
 
@@ -9,19 +10,22 @@ import json
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from .config.compose import composition_notes, strip_hydra
 from .atomic_io import unwritable_reason, write_text_atomic
 from .checkpoints.checkpoint_dir import nothing_to_resume
-from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir, planned_job_dir,
-                     read_json, same_job)
+from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir,
+                             planned_job_dir, read_json, same_job)
+from .runtime.outcome import EXIT_INVALID, Outcome
 from .planning.plan import Plan
 from .config.schema import RunConfig
 from .config.validation import ConfigError, validate
 
-EXIT_INVALID = 2
+if TYPE_CHECKING:
+    from .tracking.sweep import SweepContext
 
 
 def _count(n: int) -> str:
@@ -89,19 +93,21 @@ def absolute_paths(cfg) -> None:
     cfg.data.paths = [str(Path(p).resolve()) for p in cfg.data.paths]
 
 
-def run(hydra_cfg: DictConfig) -> int:
+def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
+    """Launch one experiment; `point` when it is a point of a sweep (its job directory goes
+    into the sweep's, and its MLflow run nests under the sweep's)."""
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         cfg = strip_hydra(hydra_cfg)
     except OmegaConfBaseException as e:
-        print(unknown_key_message(e) if "Key" in type(e).__name__ else f"error: {e}".splitlines()[0],
-              file=sys.stderr)
-        return EXIT_INVALID
+        message = unknown_key_message(e) if "Key" in type(e).__name__ else f"error: {e}".splitlines()[0]
+        print(message, file=sys.stderr)
+        return Outcome.invalid([message.removeprefix("error: ")])
     absolute_paths(cfg)
     try:
         plan = validate(cfg, for_launch=True)
-        job_dir = planned_job_dir(cfg)
+        job_dir = planned_job_dir(cfg, point.job_point if point else None)
         rerun = cfg.launcher.name == "local" and same_job(cfg, job_dir)
         if rerun:
             check_not_running(job_dir)
@@ -117,37 +123,37 @@ def run(hydra_cfg: DictConfig) -> int:
         print(f"error: {e}", file=sys.stderr)
         for note in composition_notes(cfg):
             print(f"note: {note}", file=sys.stderr)
-        return EXIT_INVALID
+        return Outcome.invalid(getattr(e, "problems", None) or [e])
     idle = nothing_to_resume(cfg) if cfg.launcher.name == "local" else None
     if idle:
         print(idle)
-        return 0
+        return Outcome("idle")
     if rerun:
         print(f"rerun       {job_dir} holds this job already: running it again (it resumes from the newest "
               "checkpoint in checkpoint.save, into its MLflow run)", flush=True)
     else:
-        create_job_dir(cfg, plan.placement, job_dir)
+        create_job_dir(cfg, plan.placement, job_dir, point.job_point if point else None)
     write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan.record(), indent=1))
     print(plan_text(cfg, plan, job_dir), flush=True)
 
     name = cfg.launcher.name
     if name == "plan":
         print("launcher=plan: nothing started.")
-        return 0
+        return Outcome("planned", job_dir=job_dir)
     if name == "torchrun":
         from gridwright.launchers.torchrun_multinode import emit_torchrun
 
         path = emit_torchrun(cfg, job_dir)
         print(f"wrote {path}: run line N on node N.")
         print(path.read_text())
-        return 0
+        return Outcome("planned", job_dir=job_dir)
     if name == "slurm":
         from gridwright.launchers.slurm import emit_slurm
 
         path = emit_slurm(cfg, job_dir)
         print(f"wrote {path}; submit it with: sbatch {shlex.quote(str(path))}")
-        return 0
-    return run_locally(cfg, plan.layout, job_dir)
+        return Outcome("planned", job_dir=job_dir)
+    return run_locally(cfg, plan.layout, job_dir, point)
 
 
 def emitted_script_problem(cfg, job_dir) -> str | None:
@@ -167,14 +173,15 @@ def emitted_script_problem(cfg, job_dir) -> str | None:
     return None
 
 
-def run_locally(cfg, layout, job_dir) -> int:
+def run_locally(cfg, layout, job_dir, point: SweepContext | None) -> Outcome:
     from gridwright.launchers.local import run_local
 
     env, run_id = {}, None
     if cfg.tracking.enabled:
-        from .tracking import sweep, mlflow_runs as tracking
+        from .tracking import mlflow_runs as tracking
 
-        run_id = tracking.open_run(cfg, job_dir, layout, tags=sweep.run_tags(), name_suffix=sweep.run_name_suffix())
+        run_id = tracking.open_run(cfg, job_dir, layout, tags=point.run_tags if point else None,
+                                   name_suffix=point.name_suffix if point else "")
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
         print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
     started = time.time()
@@ -195,12 +202,12 @@ def run_locally(cfg, layout, job_dir) -> int:
         print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.tracking.sync {job_dir}")
     if stopped_by:
         print(f"stopped: signal {stopped_by}; see {job_dir}", file=sys.stderr)
-        return 128 + int(stopped_by)
+        return Outcome("killed", 128 + int(stopped_by), job_dir, run_id=run_id)
     if code == 0:
         print(f"done: {job_dir}")
     else:
         print(f"error: the job failed with exit code {code}; see {job_dir}", file=sys.stderr)
-    return code
+    return Outcome(status, code, job_dir, run_id=run_id)
 
 
 def user_config_dir_first() -> None:
@@ -251,23 +258,25 @@ def main() -> None:
         from hydra.types import RunMode
 
         if HydraConfig.get().mode != RunMode.MULTIRUN:
-            code = run(cfg)
-            if code:
-                sys.exit(code)
+            outcome = run(cfg)
+            if outcome.exit_code:
+                sys.exit(outcome.exit_code)
             return None
         # A sweep (-m) reports an invalid or failed point and goes on to the next. The
-        # point's exit code, or its exception, is what gridwright.tracking.sweep records for it.
+        # point's Outcome, or its exception, is what gridwright.tracking.sweep records for it.
+        from .tracking.sweep import sweep_context
+
         num = HydraConfig.get().job.num
         try:
-            code = run(cfg)
+            outcome = run(cfg, sweep_context())
         except Exception as e:  # noqa: BLE001 - one point's crash must not end the sweep
             import traceback
 
             traceback.print_exc()
             print(f"sweep point {num} failed: {type(e).__name__}: {e}", file=sys.stderr)
             return e
-        if code:
-            print(f"sweep point {num} ended with exit code {code}", file=sys.stderr)
-        return code
+        if outcome.exit_code:
+            print(f"sweep point {num} ended with exit code {outcome.exit_code}", file=sys.stderr)
+        return outcome
 
     _main()

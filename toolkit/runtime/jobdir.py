@@ -37,24 +37,10 @@ SWEEPS_DIR = "sweeps"
 
 
 class SweepPoint(NamedTuple):
+    """A point of a `-m` sweep: its job directory goes inside the sweep's directory."""
+
     sweep_dir: Path
     num: int
-
-
-# The sweep point running in this process, if any: set by the sweep's Hydra callback
-# around each point (Hydra's basic launcher runs the points one after another in the
-# process that started the sweep).
-_current_point: SweepPoint | None = None
-
-
-def enter_sweep_point(sweep_dir: Path, num: int) -> None:
-    global _current_point
-    _current_point = SweepPoint(Path(sweep_dir), int(num))
-
-
-def leave_sweep_point() -> None:
-    global _current_point
-    _current_point = None
 
 
 class JobDirExists(FileExistsError):
@@ -69,14 +55,14 @@ def sweep_point_name(num: int, layout: ParallelLayout) -> str:
     return f"{num}-{layout.slug()}"
 
 
-def planned_job_dir(cfg) -> Path:
+def planned_job_dir(cfg, point: SweepPoint | None = None) -> Path:
     """`job_dir` when given; else `<sweep dir>/<num>-<slug>` for a sweep point; else
     `job_root/<experiment>/<time>-<id>`."""
     if cfg.job_dir:
         return Path(cfg.job_dir).resolve()
-    if _current_point is not None:
-        name = sweep_point_name(_current_point.num, ParallelLayout.from_config(cfg))
-        return (_current_point.sweep_dir / name).resolve()
+    if point is not None:
+        name = sweep_point_name(point.num, ParallelLayout.from_config(cfg))
+        return (Path(point.sweep_dir) / name).resolve()
     return (Path(cfg.job_root) / cfg.name / _fresh_name()).resolve()
 
 
@@ -104,7 +90,7 @@ def same_job(cfg, path: Path) -> bool:
         return False
 
 
-def create_job_dir(cfg, placement: Placement, path: Path) -> Path:
+def create_job_dir(cfg, placement: Placement, path: Path, point: SweepPoint | None = None) -> Path:
     """Create `path` (failing if it exists) and write the config and placement into it."""
     check_job_dir_free(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,19 +98,19 @@ def create_job_dir(cfg, placement: Placement, path: Path) -> Path:
     write_text_atomic(path / CONFIG_FILE, OmegaConf.to_yaml(cfg))
     write_text_atomic(path / PLACEMENT_JSON, placement.to_json())
     write_text_atomic(path / PLACEMENT_CSV, placement.to_csv())
-    _write_job_record(path)
+    _write_job_record(path, point)
     return path
 
 
-def _write_job_record(path: Path) -> dict:
+def _write_job_record(path: Path, point: SweepPoint | None = None) -> dict:
     now = time.time()
     record = {
         "job_id": uuid.uuid4().hex,
         "created": datetime.datetime.fromtimestamp(now).isoformat(timespec="seconds"),
         "created_ms": int(now * 1000),
     }
-    if _current_point is not None:
-        record["sweep_point"] = _current_point.num
+    if point is not None:
+        record["sweep_point"] = point.num
     write_text_atomic(path / JOB_FILE, json.dumps(record, indent=1))
     return record
 

@@ -1,10 +1,13 @@
 """A `-m` sweep: one sweep directory with a record of every point, and one parent MLflow run.
 
 `SweepCallback` is registered in conf/config.yaml (`hydra.callbacks`). Hydra's basic
-launcher runs the points one after another in this process, so the callback opens the
-sweep before the first point, places each point's job directory inside the sweep
-directory (gridwright.runtime.jobdir), records each point in `sweep.json` as it ends, and at the
-end writes the comparison (gridwright.tracking.sweep_report) and closes the parent run.
+launcher runs the points one after another in this process: the callback opens the
+sweep before the first point, records each point in `sweep.json` from the Outcome its
+launch returned, and at the end writes the comparison (gridwright.tracking.sweep_report)
+and closes the parent run. The point itself learns its sweep (`sweep_context`: where its
+job directory goes, how its run nests) from Hydra's per-point config, whose
+`hydra.sweep.dir` the callback sets, and from `sweep.json`; nothing passes through
+module state.
 
 `sweep.json` is rewritten atomically after every point: the sweep's overrides, and per
 point its number, overrides, job directory (relative to the sweep directory when inside
@@ -27,13 +30,10 @@ from omegaconf import open_dict, read_write
 from . import mlflow_runs as tracking
 from ..atomic_io import write_text_atomic
 from ..config.compose import strip_hydra
-from ..runtime.jobdir import (JOB_FILE, SWEEP_FILE, JobDirExists, check_job_dir_free, create_sweep_dir, enter_sweep_point,
-                     leave_sweep_point, planned_job_dir, read_json)
+from ..runtime.jobdir import JOB_FILE, SWEEP_FILE, SweepPoint, create_sweep_dir, planned_job_dir, read_json
+from ..runtime.outcome import Outcome
 from ..planning.layout import ParallelLayout
 from .sweep_report import name_suffix, override_key, point_label, swept_keys, write_report
-from ..config.validation import ConfigError, validate
-
-EXIT_INVALID = 2
 
 
 def _now_ms() -> int:
@@ -57,6 +57,7 @@ class SweepRecord:
     ended_ms: int | None = None
     status: str = "running"  # running | finished
     points: list[dict] = field(default_factory=list)
+    parent_run_id: str | None = None  # the sweep's MLflow run, when tracking reached it
 
     @classmethod
     def load(cls, sweep_dir: Path) -> "SweepRecord":
@@ -81,25 +82,12 @@ def _layout_names(cfg) -> tuple[str, str]:
         return "invalid", "invalid layout"
 
 
-def _why_invalid(cfg) -> str:
-    """The one-line reason `run` refused a point (it printed it; the checks are cheap)."""
-    try:
-        validate(cfg, for_launch=True)
-        check_job_dir_free(planned_job_dir(cfg))
-    except (ConfigError, JobDirExists) as e:
-        problems = getattr(e, "problems", None)
-        return one_line("; ".join(problems) if problems else str(e))
-    return f"exit code {EXIT_INVALID}"
-
-
 class ActiveSweep:
     """The sweep running in this process: its directory, record and (tracking on) parent run."""
 
     def __init__(self, cfg, sweep_dir: Path, record: SweepRecord):
         self.dir, self.record = sweep_dir, record
-        self.point_num: int | None = None  # the point running now
-        self.point_overrides: list[str] = []
-        self.point_started_ms = 0
+        self.point_started_ms = 0  # when the point running now started
         self.client = self.exp_id = self.parent_run_id = None
         if cfg.tracking.enabled:
             uri = tracking.tracking_uri(cfg)
@@ -113,47 +101,57 @@ class ActiveSweep:
                       f"recorded in {sweep_dir} only: log it later with python -m gridwright.tracking.sync",
                       file=sys.stderr)
 
-    def run_tags(self) -> dict[str, str]:
-        """Tags that nest a point's run under the sweep's run."""
-        if self.parent_run_id is None or self.point_num is None:
-            return {}
-        return {tracking.PARENT_TAG: self.parent_run_id, tracking.SWEEP_POINT_TAG: str(self.point_num)}
+
+@dataclass(frozen=True)
+class SweepContext:
+    """What the point running now takes from its sweep."""
+
+    job_point: SweepPoint  # its job directory goes inside the sweep's directory
+    run_tags: dict[str, str]  # nest its MLflow run under the sweep's run (none without one)
+    name_suffix: str  # what its run's name adds: the values this point sweeps
 
 
-_active: ActiveSweep | None = None
+def sweep_context() -> SweepContext:
+    """The context of the sweep point this process runs now (call it from the point's
+    task function), from Hydra's per-point config and the sweep's record."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.get()
+    sweep_dir, num = Path(hydra.sweep.dir), int(hydra.job.num)
+    record = SweepRecord.load(sweep_dir)
+    tags = {tracking.PARENT_TAG: record.parent_run_id, tracking.SWEEP_POINT_TAG: str(num)} if record.parent_run_id else {}
+    return SweepContext(SweepPoint(sweep_dir, num), tags,
+                        name_suffix(record.overrides, [str(o) for o in hydra.overrides.task]))
 
 
-def run_name_suffix() -> str:
-    """What the run of the point starting now adds to its name (gridwright.tracking.mlflow_runs.run_name)."""
-    if _active is None:
-        return ""
-    return name_suffix(_active.record.overrides, _active.point_overrides)
-
-
-def run_tags() -> dict[str, str]:
-    """Tags for the MLflow run of the job starting now: nested under the sweep's run
-    when it is a point of a tracked sweep; else none."""
-    return _active.run_tags() if _active is not None else {}
+def _hydra_quoted(value: str) -> str:
+    """A value as a quoted Hydra override value (any path survives the override grammar)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
-    """What one finished point left: status, job directory, error."""
+    """What one finished point left: status, job directory, error, from the Outcome its
+    launch returned (or the exception it raised)."""
     cfg = strip_hydra(job_return.cfg)
     num = int(config.hydra.job.num)
     slug, layout = _layout_names(cfg)
-    job_dir = planned_job_dir(cfg)
-    job = read_json(job_dir / JOB_FILE)
-    made_here = job.get("created_ms", -1) >= sweep.point_started_ms  # not an older job_dir= given
     value = job_return.return_value
     error = ""
     if isinstance(value, BaseException):
         status, error = "failed", one_line(f"{type(value).__name__}: {value}")
-    elif value == 0:
+    elif not isinstance(value, Outcome):
+        status, error = "failed", f"the point returned {value!r}"
+    elif value.status == "invalid":
+        status, error = "invalid", one_line("; ".join(value.problems))
+    elif value.exit_code == 0:
         status = "finished" if cfg.launcher.name == "local" else "planned"
-    elif value == EXIT_INVALID and not made_here:
-        status, error = "invalid", _why_invalid(cfg)
     else:
-        status, error = "failed", f"exit code {value}"
+        status, error = "failed", f"exit code {value.exit_code}"
+    job_dir = value.job_dir if isinstance(value, Outcome) and value.job_dir else None
+    if job_dir is None and status != "invalid":  # a crash may have left one
+        job_dir = planned_job_dir(cfg, SweepPoint(sweep.dir, num))
+    job = read_json(job_dir / JOB_FILE) if job_dir is not None else {}
+    made_here = job.get("created_ms", -1) >= sweep.point_started_ms  # not an older job_dir= given
     overrides = [str(o) for o in config.hydra.overrides.task]
     point = {
         "num": num,
@@ -176,10 +174,13 @@ def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
 
 
 class SweepCallback(Callback):
-    """Hydra callback: a sweep directory, sweep.json and a parent run for every `-m` sweep."""
+    """Hydra callback: a sweep directory, sweep.json and a parent run for every `-m` sweep.
+    Hydra makes one per process; it keeps the sweep running in it."""
+
+    def __init__(self) -> None:
+        self.sweep: ActiveSweep | None = None
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        global _active
         cfg = strip_hydra(config)
         overrides = [str(o) for o in config.hydra.overrides.task]
         sweep_dir = create_sweep_dir(cfg)
@@ -193,41 +194,37 @@ class SweepCallback(Callback):
             started_ms=_now_ms(),
         )
         record.save(sweep_dir)
-        # Hydra's own record of the sweep (multirun.yaml) goes into the sweep directory too.
-        with read_write(config.hydra.sweep), open_dict(config.hydra.sweep):
+        # Hydra's record of the sweep (multirun.yaml) goes into the sweep directory, and every
+        # point's config is composed with hydra.sweep.dir naming it (Hydra recomposes each
+        # point from the sweep's hydra overrides): that is how a point finds its sweep.
+        with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.sweep.dir = str(sweep_dir)
-        _active = ActiveSweep(cfg, sweep_dir, record)
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_hydra_quoted(str(sweep_dir))}")
+        self.sweep = ActiveSweep(cfg, sweep_dir, record)
+        record.parent_run_id = self.sweep.parent_run_id
+        record.save(sweep_dir)
         print(f"sweep dir   {sweep_dir}", flush=True)
-        if _active.parent_run_id:
-            print(f"mlflow      sweep run {_active.parent_run_id} in {tracking.tracking_uri(cfg)}", flush=True)
+        if self.sweep.parent_run_id:
+            print(f"mlflow      sweep run {self.sweep.parent_run_id} in {tracking.tracking_uri(cfg)}", flush=True)
 
     def on_job_start(self, config, **kwargs) -> None:
-        if _active is None:
-            return
-        _active.point_num = int(config.hydra.job.num)
-        _active.point_overrides = [str(o) for o in config.hydra.overrides.task]
-        _active.point_started_ms = _now_ms()
-        enter_sweep_point(_active.dir, _active.point_num)
+        if self.sweep is not None:
+            self.sweep.point_started_ms = _now_ms()
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
-        if _active is None:
+        sweep = self.sweep
+        if sweep is None:
             return
-        try:
-            point = _point_record(_active, config, job_return)
-        finally:
-            leave_sweep_point()
-            _active.point_num = None
-        _active.record.points.append(point)
-        _active.record.save(_active.dir)
-        if _active.client is not None:
-            tracking.log_sweep_point(_active.client, _active.exp_id, _active.dir, _active.record, point,
-                                     _active.parent_run_id)
+        point = _point_record(sweep, config, job_return)
+        sweep.record.points.append(point)
+        sweep.record.save(sweep.dir)
+        if sweep.client is not None:
+            tracking.log_sweep_point(sweep.client, sweep.exp_id, sweep.dir, sweep.record, point, sweep.parent_run_id)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        global _active
-        if _active is None:
+        sweep, self.sweep = self.sweep, None
+        if sweep is None:
             return
-        sweep, _active = _active, None
         sweep.record.status, sweep.record.ended_ms = "finished", _now_ms()
         sweep.record.save(sweep.dir)
         report = write_report(sweep.dir, sweep.record)

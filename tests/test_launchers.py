@@ -122,7 +122,7 @@ def test_plan_with_a_comm_profile_predicts_each_groups_communication(run_launch,
     """The alpha-beta profile measured on 2 x H100 turns the plan's call list into seconds."""
     from pathlib import Path
 
-    profile = Path(__file__).parents[1] / "evaluations" / "results" / "comm_profile_2xh100.json"
+    profile = Path(__file__).parent / "data" / "comm_profile_2xh100.json"
     result = run_launch("+experiment=eval_tp2_sp", "launcher=plan", f"cluster.comm_profile={profile}")
     assert result.returncode == 0, result.stderr
     plan = json.loads((only_job_dir(tmp_path) / "plan.json").read_text())

@@ -268,7 +268,10 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
 def test_committed_gpu_sweep_syncs_with_distinct_names_and_its_measurements(tmp_path):
     """The evaluation sweep measured on 2 x H100 (records committed without traces) logs as
     one parent and seven nested runs; points that differ only by preset get distinct names."""
-    sweep_dir = Path(__file__).parents[1] / "evaluations" / "results" / "eval_sweep_2xh100_20261126-1201"
+    import shutil  # a copy: syncing writes the comparison table and plots into the sweep directory
+
+    name = "eval_sweep_2xh100_20261126-1201"
+    sweep_dir = Path(shutil.copytree(Path(__file__).parent / "data" / "sweeps" / name, tmp_path / name))
     result = sync(sweep_dir, "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", cwd=tmp_path)
     assert result.returncode == 0 and "with 8 new run(s)" in result.stdout, result
     client, runs = runs_of(tmp_path / "mlflow.db")
@@ -287,7 +290,7 @@ def test_committed_gpu_sweeps_give_their_results_tables(sweep):
     communication per kind (pipeline send/recv, which records no sizes, says n/a)."""
     from gridwright.evaluations.eval_results import tables
 
-    text = tables(Path(__file__).resolve().parents[1] / "evaluations" / "results" / sweep)
+    text = tables(Path(__file__).resolve().parent / "data" / "sweeps" / sweep)
     points = [line for line in text.splitlines() if line.startswith("| ") and "dp" in line.split("|")[1]]
     assert points and "## Communication per kind" in text
     if sweep.startswith("engines"):

@@ -68,10 +68,10 @@ def main() -> None:
     layout = ParallelLayout.from_config(cfg)
     apply_megatron_fixes()
     with cpu_compat():
-        init_parallel(cfg, layout)
+        init_parallel(cfg.cluster, cfg.watchdog, layout)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
         tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
-        chunks = build_model_chunks(cfg, tcfg, te_available=False)
+        chunks = build_model_chunks(cfg.model, cfg.parallel, tcfg, te_available=False)
         load_model_weights(chunks, Path(args.checkpoint))
         for c in chunks:
             round_weights(c, ROUNDING.get(args.round_to))

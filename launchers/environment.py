@@ -6,7 +6,7 @@ def worker_env(cfg) -> dict[str, str]:
     """What gridwright sets, then the cluster's own `cluster.env`, which wins."""
     env = {"PYTHONUNBUFFERED": "1"}
     if cfg.cluster.device == "cuda":
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max_connections(cfg))
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max_connections(cfg.engine, cfg.parallel))
     else:  # DeepSpeed otherwise looks for an accelerator and warns that it found none
         env["DS_ACCELERATOR"] = "cpu"
         # One thread per rank: ranks share the cores, and oversubscribed threads made a
@@ -16,11 +16,11 @@ def worker_env(cfg) -> dict[str, str]:
     return env
 
 
-def max_connections(cfg) -> int:
+def max_connections(engine, parallel) -> int:
     """CUDA_DEVICE_MAX_CONNECTIONS (hardware queues per GPU): engine.cuda_device_max_connections,
     else what the engine's rules ask for."""
     from ..engines.registry import rules
 
-    if cfg.engine.cuda_device_max_connections is not None:
-        return cfg.engine.cuda_device_max_connections
-    return rules(cfg).cuda_device_max_connections(cfg)
+    if engine.cuda_device_max_connections is not None:
+        return engine.cuda_device_max_connections
+    return rules(engine).cuda_device_max_connections(engine, parallel)

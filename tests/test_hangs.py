@@ -60,10 +60,10 @@ def test_a_stopped_rank_stops_the_job_within_the_bound(tmp_path):
 
 
 def test_the_collective_timeout_is_the_key_or_the_watchdogs_phase_bound(compose):
-    cfg = compose()
-    assert collective_timeout(cfg, "nccl").total_seconds() == collective_timeout(cfg, "gloo").total_seconds() == 1800
-    assert collective_timeout(compose("watchdog.phase_timeout_s=2400"), "nccl").total_seconds() == 2400
-    assert collective_timeout(compose("watchdog.collective_timeout_s=42"), "gloo").total_seconds() == 42
+    watchdog = compose().watchdog
+    assert collective_timeout(watchdog, "nccl").total_seconds() == collective_timeout(watchdog, "gloo").total_seconds() == 1800
+    assert collective_timeout(compose("watchdog.phase_timeout_s=2400").watchdog, "nccl").total_seconds() == 2400
+    assert collective_timeout(compose("watchdog.collective_timeout_s=42").watchdog, "gloo").total_seconds() == 42
 
 
 def test_the_bound_follows_recent_step_times_and_phases(compose):

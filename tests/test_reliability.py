@@ -130,8 +130,8 @@ def small_file_system(path: Path, size: str):
 
 def test_free_space_is_checked_before_start_and_retention_keeps_n(tmp_path, compose):
     cfg = compose("train.steps=6", "checkpoint.save=/x", "checkpoint.save_interval=1")
-    assert saves_kept(cfg) == 6
-    assert 2.6e6 < checkpoint_bytes(cfg) < 3.4e6  # the tiny model's checkpoint: 2.8 MiB on disk
+    assert saves_kept(cfg.checkpoint, cfg.train) == 6
+    assert 2.6e6 < checkpoint_bytes(cfg.model, cfg.precision) < 3.4e6  # the tiny model's checkpoint: 2.8 MiB on disk
     with small_file_system(tmp_path / "small", "8m") as small:
         refused(launch(tmp_path, "tracking=off", "train.steps=6", f"checkpoint.save={small / 'ck'}",
                        "checkpoint.save_interval=1"), f"checkpoint.save={small / 'ck'} has 8.0 MiB free")

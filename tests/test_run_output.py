@@ -23,9 +23,10 @@ def test_deepspeed_first_compile_is_announced(compose, tmp_path, monkeypatch):
     from gridwright.engines.deepspeed_engine import extensions_to_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
-    assert extensions_to_build(compose("engine=deepspeed")) == ["deepspeed_shm_comm"]
-    assert extensions_to_build(compose("engine=deepspeed", "zero=stage2_offload")) == ["deepspeed_shm_comm", "cpu_adam"]
+    cfg, offload = compose("engine=deepspeed"), compose("engine=deepspeed", "zero=stage2_offload")
+    assert extensions_to_build(cfg.cluster, cfg.zero) == ["deepspeed_shm_comm"]
+    assert extensions_to_build(offload.cluster, offload.zero) == ["deepspeed_shm_comm", "cpu_adam"]
     built = tmp_path / "deepspeed_shm_comm"
     built.mkdir(exist_ok=True)  # torch creates the build directory when asked for it
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert extensions_to_build(compose("engine=deepspeed")) == []
+    assert extensions_to_build(cfg.cluster, cfg.zero) == []

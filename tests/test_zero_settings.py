@@ -15,7 +15,8 @@ GPU8_8B = DS + ["model=llama3_8b", "cluster=dgx_h100", "precision=bf16", "train.
 
 
 def _resolved(compose, *overrides):
-    return resolved_zero_settings(compose(*overrides))
+    cfg = compose(*overrides)
+    return resolved_zero_settings(cfg.zero, cfg.cluster)
 
 
 def test_bench_model_zero3_gets_deepspeeds_documented_defaults(compose):
@@ -54,8 +55,8 @@ def test_cpu_and_stage0_defaults(compose):
 def test_every_zero_option_composes_without_problems(compose):
     for option in ("stage0", "stage1", "stage2", "stage2_offload", "stage3", "stage3_offload"):
         cfg = compose(*DS, f"zero={option}")
-        assert explicit_deepspeed_only_keys(cfg) == []
-        assert zero_settings_problems(cfg, ParallelLayout.from_config(cfg)) == [], option
+        assert explicit_deepspeed_only_keys(cfg.zero) == []
+        assert zero_settings_problems(cfg.zero, cfg.cluster, ParallelLayout.from_config(cfg)) == [], option
 
 
 def test_override_reaches_the_deepspeed_json(compose):
@@ -73,7 +74,7 @@ def test_zeropp_keys_only_when_on(compose):
                  "zero.zero_quantized_weights=true", "zero.zero_quantized_gradients=true")
     zero = deepspeed_config(on, ParallelLayout.from_config(on))["zero_optimization"]
     assert (zero["zero_hpz_partition_size"], zero["zero_quantized_weights"], zero["zero_quantized_gradients"]) == (8, True, True)
-    assert zero_settings_problems(on, ParallelLayout.from_config(on)) == []
+    assert zero_settings_problems(on.zero, on.cluster, ParallelLayout.from_config(on)) == []
 
 
 # DeepSpeed's pydantic model forbids unknown keys, so a misspelt key name fails here; the
@@ -97,7 +98,7 @@ def test_json_is_accepted_by_deepspeeds_zero_config(compose, overrides):
     zero = deepspeed_config(cfg, ParallelLayout.from_config(cfg))["zero_optimization"]
     parsed = DeepSpeedZeroConfig(**zero)
     by_alias = parsed.model_dump(by_alias=True)
-    for key, value in resolved_zero_settings(cfg).items():
+    for key, value in resolved_zero_settings(cfg.zero, cfg.cluster).items():
         if key not in GRIDWRIGHT_KEYS:  # those the engine applies itself
             assert by_alias[key] == value, key
     assert int(parsed.stage) == cfg.zero.stage
@@ -158,20 +159,20 @@ PROBLEMS = {
 def test_each_problem_has_its_line(compose, name):
     overrides, expected = PROBLEMS[name]
     cfg = compose(*overrides)
-    problems = zero_settings_problems(cfg, ParallelLayout.from_config(cfg))
+    problems = zero_settings_problems(cfg.zero, cfg.cluster, ParallelLayout.from_config(cfg))
     assert len(problems) == 1, problems
     for text in expected:
         assert text in problems[0], f"{text!r} not in:\n{problems[0]}"
 
 
 def test_explicit_deepspeed_only_keys(compose):
-    assert explicit_deepspeed_only_keys(compose("zero=stage1")) == []
+    assert explicit_deepspeed_only_keys(compose("zero=stage1").zero) == []
     cfg = compose("zero=stage1", "zero.overlap_comm=false", "zero.reduce_bucket_size=5000",
                   "zero.zero_quantized_weights=false", "zero.zero_hpz_partition_size=1")
     # ZeRO++ keys at their off values ask for nothing
-    assert explicit_deepspeed_only_keys(cfg) == ["overlap_comm", "reduce_bucket_size"]
+    assert explicit_deepspeed_only_keys(cfg.zero) == ["overlap_comm", "reduce_bucket_size"]
     cfg = compose("zero=stage3", "zero.stage3_prefetch_bucket_size=0", "zero.zero_quantized_gradients=true")
-    assert explicit_deepspeed_only_keys(cfg) == ["stage3_prefetch_bucket_size", "zero_quantized_gradients"]
+    assert explicit_deepspeed_only_keys(cfg.zero) == ["stage3_prefetch_bucket_size", "zero_quantized_gradients"]
 
 
 def test_plan_records_the_settings(compose):
@@ -179,7 +180,7 @@ def test_plan_records_the_settings(compose):
 
     cfg = compose(*DS, "zero=stage2", "zero.reduce_bucket_size=12345")
     record = validate(cfg, for_launch=False).record()
-    assert record["zero_settings"] == resolved_zero_settings(cfg)
+    assert record["zero_settings"] == resolved_zero_settings(cfg.zero, cfg.cluster)
     assert record["zero_settings"]["reduce_bucket_size"] == 12345
     assert validate(compose("zero=stage1"), for_launch=False).record()["zero_settings"] is None  # engine=megatron
 

@@ -273,10 +273,10 @@ def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = F
     return None
 
 
-def nothing_to_resume(cfg) -> str | None:
+def nothing_to_resume(checkpoint, train) -> str | None:
     """Why resuming from `checkpoint.load` would train no step (it already reached
     `train.steps`), or None. Loading a model to then stop takes minutes: say so instead."""
-    ck = cfg.checkpoint
+    ck = checkpoint
     if not ck.load or ck.weights_only or not Path(ck.load).is_dir():
         return None
     try:
@@ -284,7 +284,7 @@ def nothing_to_resume(cfg) -> str | None:
     except CheckpointError:
         return None  # validation reports it
     step = step_of(path) if path is not None else 0
-    if step < cfg.train.steps:
+    if step < train.steps:
         return None
     return (f"nothing to train: checkpoint.load={ck.load} is at step {step} ({path.name}) and "
-            f"train.steps={cfg.train.steps}. To train further, raise train.steps.")
+            f"train.steps={train.steps}. To train further, raise train.steps.")

@@ -81,33 +81,33 @@ def check_choices(cfg) -> list[str]:
     return out
 
 
-def check_counts(cfg) -> list[str]:
+def check_counts(model, train, cluster) -> list[str]:
     """Sizes that every layout computation divides by."""
     out = []
     for path, v in (
-        ("cluster.nodes", cfg.cluster.nodes),
-        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node),
-        ("cluster.nvlink_domain_size", cfg.cluster.nvlink_domain_size),
-        ("train.steps", cfg.train.steps),
-        ("train.micro_batch_size", cfg.train.micro_batch_size),
-        ("train.global_batch_size", cfg.train.global_batch_size),
-        ("train.seq_length", cfg.train.seq_length),
-        ("train.log_interval", cfg.train.log_interval),
-        ("model.num_layers", cfg.model.num_layers),
-        ("model.hidden_size", cfg.model.hidden_size),
-        ("model.ffn_hidden_size", cfg.model.ffn_hidden_size),
-        ("model.num_attention_heads", cfg.model.num_attention_heads),
-        ("model.num_query_groups", cfg.model.num_query_groups),
-        ("model.vocab_size", cfg.model.vocab_size),
-        ("model.max_position_embeddings", cfg.model.max_position_embeddings),
-        ("model.moe_router_topk", cfg.model.moe_router_topk),
+        ("cluster.nodes", cluster.nodes),
+        ("cluster.gpus_per_node", cluster.gpus_per_node),
+        ("cluster.nvlink_domain_size", cluster.nvlink_domain_size),
+        ("train.steps", train.steps),
+        ("train.micro_batch_size", train.micro_batch_size),
+        ("train.global_batch_size", train.global_batch_size),
+        ("train.seq_length", train.seq_length),
+        ("train.log_interval", train.log_interval),
+        ("model.num_layers", model.num_layers),
+        ("model.hidden_size", model.hidden_size),
+        ("model.ffn_hidden_size", model.ffn_hidden_size),
+        ("model.num_attention_heads", model.num_attention_heads),
+        ("model.num_query_groups", model.num_query_groups),
+        ("model.vocab_size", model.vocab_size),
+        ("model.max_position_embeddings", model.max_position_embeddings),
+        ("model.moe_router_topk", model.moe_router_topk),
     ):
         if v < 1:
             out.append(f"{path}={v} must be at least 1.")
-    if cfg.model.head_dim is not None and cfg.model.head_dim < 1:
-        out.append(f"model.head_dim={cfg.model.head_dim} must be at least 1 (or null: hidden_size / heads).")
-    if cfg.model.num_experts < 0:
-        out.append(f"model.num_experts={cfg.model.num_experts} must be 0 (dense) or more.")
+    if model.head_dim is not None and model.head_dim < 1:
+        out.append(f"model.head_dim={model.head_dim} must be at least 1 (or null: hidden_size / heads).")
+    if model.num_experts < 0:
+        out.append(f"model.num_experts={model.num_experts} must be 0 (dense) or more.")
     return out
 
 
@@ -165,8 +165,8 @@ def check_paths(cfg) -> list[str]:
     return out
 
 
-def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
-    m, out = cfg.model, []
+def check_model_split(model, train, layout: ParallelLayout) -> list[str]:
+    m, out = model, []
     tp, pp = layout.tp, layout.pp
     if m.num_attention_heads % m.num_query_groups:
         out.append(
@@ -221,16 +221,16 @@ def check_model_split(cfg, layout: ParallelLayout) -> list[str]:
             f"parallel.ep={layout.ep} / parallel.etp={layout.etp} set for model '{m.name}', "
             "which has no experts. Fix: set parallel.ep=1 and parallel.etp=null, or pick an MoE model."
         )
-    if cfg.train.seq_length > m.max_position_embeddings:
+    if train.seq_length > m.max_position_embeddings:
         out.append(
-            f"train.seq_length={cfg.train.seq_length} exceeds model.max_position_embeddings="
+            f"train.seq_length={train.seq_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}."
         )
     return out
 
 
-def check_context_parallel(cfg, layout: ParallelLayout) -> list[str]:
-    s, cp = cfg.train.seq_length, layout.cp
+def check_context_parallel(train, layout: ParallelLayout) -> list[str]:
+    s, cp = train.seq_length, layout.cp
     if cp > 1 and s % (2 * cp):
         return [
             f"train.seq_length={s} is not divisible by 2*parallel.cp={2 * cp} (context parallel "
@@ -240,13 +240,12 @@ def check_context_parallel(cfg, layout: ParallelLayout) -> list[str]:
     return []
 
 
-def check_batch(cfg, layout: ParallelLayout) -> list[str]:
-    t = cfg.train
-    unit = t.micro_batch_size * layout.dp
-    if t.global_batch_size % unit:
+def check_batch(train, layout: ParallelLayout) -> list[str]:
+    unit = train.micro_batch_size * layout.dp
+    if train.global_batch_size % unit:
         return [
-            f"train.global_batch_size={t.global_batch_size} is not micro-batch x accumulation x DP: "
-            f"micro_batch_size={t.micro_batch_size} x DP={layout.dp} = {unit} does not divide it. "
+            f"train.global_batch_size={train.global_batch_size} is not micro-batch x accumulation x DP: "
+            f"micro_batch_size={train.micro_batch_size} x DP={layout.dp} = {unit} does not divide it. "
             f"Fix: use a global batch that is a multiple of {unit}."
         ]
     return []
@@ -272,7 +271,7 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         out.append("FP8 training keeps bf16 weights: set precision.params_dtype=bf16.")
     torchao_asked = _torchao_asked(p)
     if torchao_asked:
-        out += _torchao_fp8_problems(cfg)
+        out += _torchao_fp8_problems(p, cfg.model, cfg.engine)
     if cfg.cluster.device != "cuda":
         if p.fp8_backend != "torchao":
             out.append(
@@ -299,7 +298,8 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
     """What this machine lacks for the run's FP8: said before a local launch, and by every
     worker at start (a Slurm or torchrun job's nodes are seen only by its workers)."""
     p = cfg.precision
-    te_available = te_available and rules(cfg).builds_megatron_layer_spec(cfg)  # else TE is never built
+    # Transformer Engine counts only where its layer spec would be built
+    te_available = te_available and rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel)
     backend = fp8_backend(p, te_available)
     if backend is None or backend == "transformer_engine" and te_available:
         return []
@@ -314,7 +314,7 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
         return [fp8_without_te(p.fp8_recipe)]
     if not torchao_available():
         return [TORCHAO_MISSING]
-    return [] if torchao_asked else _torchao_fp8_problems(cfg)  # auto fell back to torchao: its rules apply now
+    return [] if torchao_asked else _torchao_fp8_problems(p, cfg.model, cfg.engine)  # auto fell back to torchao: its rules apply now
 
 
 def _torchao_asked(precision) -> bool:
@@ -322,14 +322,14 @@ def _torchao_asked(precision) -> bool:
     return precision.fp8_backend == "torchao" or precision.fp8_recipe == "rowwise"
 
 
-def _torchao_fp8_problems(cfg) -> list[str]:
-    p, out = cfg.precision, []
+def _torchao_fp8_problems(precision, model, engine) -> list[str]:
+    p, out = precision, []
     if p.fp8_backend == "transformer_engine":
         out.append("precision.fp8_recipe=rowwise is torchao's: set precision.fp8_backend=torchao or auto.")
     elif p.fp8_recipe not in TORCHAO_FP8_RECIPES:
         out.append(f"precision.fp8_backend=torchao offers the recipes {', '.join(TORCHAO_FP8_RECIPES)}, "
                    f"not '{p.fp8_recipe}'.")
-    if cfg.model.num_experts:
+    if model.num_experts:
         out.append("FP8 through torchao covers dense layers only, not MoE experts: use Transformer Engine "
                    "or precision=bf16 for an MoE model.")
     if p.fp8_param:
@@ -337,7 +337,7 @@ def _torchao_fp8_problems(cfg) -> list[str]:
     wanted = TORCHAO_FP8_FORMATS.get(p.fp8_recipe)
     if wanted and p.fp8_format != wanted:
         out.append(f"torchao's {p.fp8_recipe} recipe uses {TORCHAO_FORMAT_WORDS[wanted]}: set precision.fp8_format={wanted}.")
-    if cfg.engine.tp_comm_overlap:
+    if engine.tp_comm_overlap:
         out.append("engine.tp_comm_overlap=true does not combine with FP8 through torchao yet "
                    "(the fused ops run bf16 matmuls): turn one off.")
     return out
@@ -377,7 +377,7 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     e = cfg.engine
     if e.cuda_device_max_connections is not None and not 1 <= e.cuda_device_max_connections <= 32:
         return [f"engine.cuda_device_max_connections={e.cuda_device_max_connections} must be 1 to 32 (or null)."]
-    if not (is_known(cfg) and rules(cfg).CAPABILITIES.megatron_torch_native_paths):
+    if not (is_known(e) and rules(e).CAPABILITIES.megatron_torch_native_paths):
         return []  # the engine's own rules say what it compiles
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
@@ -386,7 +386,7 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     if e.compile_layers and cfg.parallel.tp > 1 and not e.tp_comm_overlap:
         return [COMPILED_MEGATRON_TP]
     if keys and for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda":
-        return torch_native_machine_problems(cfg, probe(transformer_engine=True).transformer_engine)
+        return torch_native_machine_problems(e, cfg.parallel, probe(transformer_engine=True).transformer_engine)
     return []
 
 
@@ -394,20 +394,20 @@ def _torch_native_keys_on(engine) -> list[str]:
     return [k for k in ("tp_comm_overlap", "compile_layers") if getattr(engine, k)]
 
 
-def torch_native_machine_problems(cfg, te_available: bool) -> list[str]:
+def torch_native_machine_problems(engine, parallel, te_available: bool) -> list[str]:
     """The torch-native paths asked for where Transformer Engine imports (its spec is then
     used): said before a local launch, and by every worker at start."""
-    keys = _torch_native_keys_on(cfg.engine)
-    if not (te_available and keys and rules(cfg).builds_megatron_layer_spec(cfg)):
+    keys = _torch_native_keys_on(engine)
+    if not (te_available and keys and rules(engine).builds_megatron_layer_spec(engine, parallel)):
         return []
     return [f"{', '.join(f'engine.{k}=true' for k in keys)} applies to the torch-native layer spec; Transformer "
             "Engine imports here, so its spec is used, which gridwright does not compile or overlap: turn it off."]
 
 
-def check_megatron_core(cfg, for_launch: bool) -> list[str]:
+def check_megatron_core(launcher, for_launch: bool) -> list[str]:
     """The installed Megatron-Core must be the tested release (a local launch runs on this
     machine; other launchers' workers check their own at import of megatron_internals)."""
-    if not (for_launch and cfg.launcher.name == "local"):
+    if not (for_launch and launcher.name == "local"):
         return []
     problem = megatron_core_refusal()
     return [problem] if problem else []
@@ -415,9 +415,9 @@ def check_megatron_core(cfg, for_launch: bool) -> list[str]:
 
 def check_engine(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
     """The engine's own refusals (gridwright.engines.<name>_rules), and what no engine runs."""
-    if not is_known(cfg):
+    if not is_known(cfg.engine):
         return []  # check_choices says so
-    out = rules(cfg).problems(cfg, layout, for_launch)
+    out = rules(cfg.engine).problems(cfg, layout, for_launch)
     if cfg.cluster.device == "cpu" and cfg.parallel.moe_token_dispatcher == "alltoall" and cfg.model.num_experts:
         out.append(
             "parallel.moe_token_dispatcher=alltoall creates a CUDA stream in Megatron-Core 0.16.1 and cannot "
@@ -426,10 +426,10 @@ def check_engine(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
     return out
 
 
-def check_data(cfg) -> list[str]:
+def check_data(data, model, launcher) -> list[str]:
     from ..data.prepare_data import dataset_info
 
-    d, out = cfg.data, []
+    d, out = data, []
     if d.kind not in ("synthetic", "indexed"):
         return [f"data.kind='{d.kind}' is not one of synthetic, indexed."]
     if d.eval_interval < 0 or d.eval_iters < 1:
@@ -440,7 +440,7 @@ def check_data(cfg) -> list[str]:
         return out + ["data.kind=indexed needs data.paths (prefixes made by gridwright.data.prepare_data)."]
     if d.weights is not None and len(d.weights) != len(d.paths):
         out.append(f"data.weights has {len(d.weights)} entries for {len(d.paths)} data.paths.")
-    if cfg.launcher.name != "local":
+    if launcher.name != "local":
         return out  # the files live on the cluster
     tokenizers = set()
     for prefix in d.paths:
@@ -455,10 +455,10 @@ def check_data(cfg) -> list[str]:
             continue
         tokenizers.add(info["tokenizer"])
         out += _split_problems(prefix, info["documents"], d.split)
-        if info["vocab_size"] > cfg.model.vocab_size:
+        if info["vocab_size"] > model.vocab_size:
             out.append(
                 f"{prefix} was tokenized with a vocabulary of {info['vocab_size']} ({info['tokenizer']}), larger "
-                f"than model.vocab_size={cfg.model.vocab_size}. Fix: model.vocab_size>={info['vocab_size']}."
+                f"than model.vocab_size={model.vocab_size}. Fix: model.vocab_size>={info['vocab_size']}."
             )
     if len(tokenizers) > 1:
         out.append(f"data.paths were made with different tokenizers: {sorted(tokenizers)}.")
@@ -493,8 +493,8 @@ def check_checkpoint(cfg) -> list[str]:
         return out
     if ck.save_interval < 0:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
-    if is_known(cfg):
-        out += rules(cfg).checkpoint_problems(cfg)
+    if is_known(cfg.engine):
+        out += rules(cfg.engine).checkpoint_problems(cfg)
     for root in {ck.save, ck.load} - {None}:
         problem = writer_problem(root) if cfg.launcher.name == "local" else None
         if problem:
@@ -507,7 +507,7 @@ def check_checkpoint(cfg) -> list[str]:
         if problem:
             out.append(f"checkpoint.save={ck.save} cannot be written: {problem}.")
         elif ck.keep_last >= 0 and ck.save_interval >= 0:
-            problem = space_problem(cfg, *_resume_point(cfg))
+            problem = space_problem(cfg, *_resume_point(ck))
             if problem:
                 out.append(problem)
     if ck.save and (Path(ck.save) / LATEST).exists():
@@ -523,14 +523,14 @@ def check_checkpoint(cfg) -> list[str]:
     return out
 
 
-def _resume_point(cfg) -> tuple[int, int]:
+def _resume_point(checkpoint) -> tuple[int, int]:
     """(the step a run resumes after, how many checkpoints its save root holds): a resume
     adds only the saves still to come, and retention counts those already there."""
     from pathlib import Path
 
     from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, iterations, latest_checkpoint, step_of
 
-    ck = cfg.checkpoint
+    ck = checkpoint
     held = len(iterations(ck.save)) if Path(ck.save).is_dir() else 0
     try:
         if ck.load and not ck.weights_only and holds_checkpoints(ck.load):
@@ -541,41 +541,40 @@ def _resume_point(cfg) -> tuple[int, int]:
     return 0, held
 
 
-def check_launcher(cfg, for_launch: bool) -> list[str]:
-    c = cfg.cluster
-    if cfg.launcher.name != "local":
+def check_launcher(launcher, cluster, for_launch: bool) -> list[str]:
+    if launcher.name != "local":
         return []
-    if c.nodes > 1:
+    if cluster.nodes > 1:
         return [
-            f"launcher=local runs on this machine only, but cluster.nodes={c.nodes}. "
+            f"launcher=local runs on this machine only, but cluster.nodes={cluster.nodes}. "
             "Fix: launcher=torchrun or launcher=slurm (or launcher=plan to inspect)."
         ]
-    if for_launch and c.device == "cuda":
+    if for_launch and cluster.device == "cuda":
         facts = probe()
-        if facts.cuda_devices < c.gpus_per_node:
+        if facts.cuda_devices < cluster.gpus_per_node:
             found = (f"this machine has {facts.cuda_devices} CUDA device(s) (torch {facts.torch})"
                      if facts.torch else f"torch cannot be imported here ({facts.error})")
             return [
-                f"cluster '{c.name}' runs {c.gpus_per_node} process(es) on CUDA GPUs, but {found}. "
+                f"cluster '{cluster.name}' runs {cluster.gpus_per_node} process(es) on CUDA GPUs, but {found}. "
                 "Fix: a CPU cluster (cluster=laptop), a cluster that fits this machine, or launcher=plan, "
                 "torchrun or slurm to plan or emit the job for a GPU machine."
             ]
     return []
 
 
-def check_tracking(cfg) -> list[str]:
+def check_tracking(tracking, launcher) -> list[str]:
     """A tracked run needs MLflow where it runs: this process opens the run of a local
     launch or a sweep (found without importing it, which takes seconds)."""
     import importlib.util
 
-    if not (cfg.tracking.enabled and cfg.launcher.name == "local"):
+    if not (tracking.enabled and launcher.name == "local"):
         return []
     if importlib.util.find_spec("mlflow") is None:
         return ["tracking is on, but MLflow is not installed here. Fix: pip install mlflow==3.17.2, or "
                 "tracking=off (the job directory keeps everything; `python -m gridwright.tracking.sync DIR` logs it later)."]
     from ..tracking.store import store_problem, tracking_uri
 
-    problem = store_problem(tracking_uri(cfg))
+    problem = store_problem(tracking_uri(tracking))
     if problem:
         return [f"{problem}. Fix: point tracking.uri (or MLFLOW_TRACKING_URI) at a store that works (move a "
                 "damaged file aside), or tracking=off (the job directory keeps everything; `python -m gridwright.tracking.sync DIR` logs "
@@ -583,13 +582,13 @@ def check_tracking(cfg) -> list[str]:
     return []
 
 
-def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
+def check_nvlink_domains(parallel, model, placement: Placement) -> list[str]:
     out, d = [], placement.layout.nvlink_domain_size
     for kind, allow, flag in (
-        ("tp", cfg.parallel.allow_tp_across_nvlink, "parallel.allow_tp_across_nvlink"),
-        ("etp_ep", cfg.parallel.allow_ep_across_nvlink, "parallel.allow_ep_across_nvlink"),
+        ("tp", parallel.allow_tp_across_nvlink, "parallel.allow_tp_across_nvlink"),
+        ("etp_ep", parallel.allow_ep_across_nvlink, "parallel.allow_ep_across_nvlink"),
     ):
-        if allow or (kind == "etp_ep" and not cfg.model.num_experts):
+        if allow or (kind == "etp_ep" and not model.num_experts):
             continue
         crossing = placement.groups_crossing_domain(kind, d)
         if crossing:
@@ -602,20 +601,20 @@ def check_nvlink_domains(cfg, placement: Placement) -> list[str]:
     return out
 
 
-def check_host_memory(cfg, plan: Plan) -> list[str]:
+def check_host_memory(model, cluster, launcher, plan: Plan) -> list[str]:
     """A CPU run launched here keeps its weights, gradients and Adam's state in this
     machine's memory (16 bytes a parameter in fp32, split over TP and PP): refuse a model
     the machine cannot hold, before its processes allocate their way into the OOM killer."""
-    if cfg.cluster.device != "cpu" or cfg.launcher.name != "local":
+    if cluster.device != "cpu" or launcher.name != "local":
         return []
     import psutil
 
     params, layout = plan.params.total, plan.layout
-    need = params / (layout.tp * layout.pp) * 16 * cfg.cluster.gpus_per_node
+    need = params / (layout.tp * layout.pp) * 16 * cluster.gpus_per_node
     have = psutil.virtual_memory().total
     if need <= have:
         return []
-    return [f"model {cfg.model.name} has {params / 1e9:.3g} B parameters: its {cfg.cluster.gpus_per_node} CPU "
+    return [f"model {model.name} has {params / 1e9:.3g} B parameters: its {cluster.gpus_per_node} CPU "
             f"processes need about {need / 2**30:,.0f} GiB for weights, gradients and Adam's state, and this machine "
             f"has {have / 2**30:,.0f} GiB. Fix: a smaller model, or launcher=plan, torchrun or slurm to plan or emit "
             "the job for machines that hold it."]
@@ -634,11 +633,11 @@ def check_memory(gpu, plan: Plan) -> list[str]:
     return []
 
 
-def check_evaluate(cfg) -> list[str]:
+def check_evaluate(evaluate, train, cluster) -> list[str]:
     """The profiling window must lie inside the run, and a named comm profile must exist."""
     out = []
-    window = cfg.evaluate.profile_steps
-    steps = cfg.train.steps
+    window = evaluate.profile_steps
+    steps = train.steps
     if window is not None:
         if len(window) != 2 or not 0 <= window[0] < window[1] <= steps:
             out.append(
@@ -646,7 +645,7 @@ def check_evaluate(cfg) -> list[str]:
                 f"0 <= first < last <= train.steps={steps}, e.g. [{min(2, steps - 1)}, {steps}]. "
                 "Fix: pick steps after the first (it includes warm-up)."
             )
-    prof = cfg.cluster.comm_profile
+    prof = cluster.comm_profile
     if prof is not None and not os.path.isfile(prof):
         out.append(
             f"cluster.comm_profile={prof} does not exist. Fix: measure one with "
@@ -662,36 +661,36 @@ def _divisors(n: int) -> list[int]:
 
 def validate(cfg, for_launch: bool = True) -> Plan:
     """Check everything; return the plan (derived once, here), or raise ConfigError."""
-    count_problems = check_counts(cfg)
+    count_problems = check_counts(cfg.model, cfg.train, cfg.cluster)
     problems = check_choices(cfg) + count_problems + check_numbers(cfg) + check_paths(cfg)
     layout = ParallelLayout.from_config(cfg)
     counts_ok = not count_problems  # else the layout's arithmetic would divide by zero
     layout_problems = layout.problems() if counts_ok else []
     problems += layout_problems
     if counts_ok and not layout_problems:
-        problems += check_model_split(cfg, layout)
-        problems += check_context_parallel(cfg, layout)
-        problems += check_batch(cfg, layout)
+        problems += check_model_split(cfg.model, cfg.train, layout)
+        problems += check_context_parallel(cfg.train, layout)
+        problems += check_batch(cfg.train, layout)
         problems += check_engine(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)
-    problems += check_launcher(cfg, for_launch)
-    problems += check_megatron_core(cfg, for_launch)
-    problems += check_tracking(cfg)
+    problems += check_launcher(cfg.launcher, cfg.cluster, for_launch)
+    problems += check_megatron_core(cfg.launcher, for_launch)
+    problems += check_tracking(cfg.tracking, cfg.launcher)
     problems += check_checkpoint(cfg)
-    problems += check_data(cfg)
-    problems += check_evaluate(cfg)
+    problems += check_data(cfg.data, cfg.model, cfg.launcher)
+    problems += check_evaluate(cfg.evaluate, cfg.train, cfg.cluster)
     plan = None
     if not problems:
         placement = plan_placement(layout)
-        problems += check_nvlink_domains(cfg, placement)
+        problems += check_nvlink_domains(cfg.parallel, cfg.model, placement)
         try:
             plan = derive_plan(cfg, layout, placement)
         except CommProfileProblem as e:
             problems.append(str(e))
     if plan is not None:
         problems += check_memory(cfg.cluster.gpu, plan)
-        problems += check_host_memory(cfg, plan)
+        problems += check_host_memory(cfg.model, cfg.cluster, cfg.launcher, plan)
     elif counts_ok and not layout_problems and os.path.isfile(cfg.cluster.comm_profile or ""):
         try:  # no plan for an invalid config, but a profile that cannot price it is one more fix to list
             predict_communication(cfg, layout)

@@ -15,14 +15,14 @@ from . import synthetic_data
 
 
 class SyntheticSource:
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, train, model):
+        self.train, self.vocab_size = train, model.vocab_size
 
     def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
-        t = self.cfg.train
+        t = self.train
         seed = t.seed if split == "train" else t.seed + 10**6  # held-out stream for validation
         return synthetic_data.micro_batches(index, dp_rank, dp_size, num_micro, t.micro_batch_size,
-                                            t.seq_length, self.cfg.model.vocab_size, seed, device)
+                                            t.seq_length, self.vocab_size, seed, device)
 
 
 class _TokenizerInfo:
@@ -37,14 +37,14 @@ class _TokenizerInfo:
 class IndexedSource:
     """Megatron-Core's GPTDataset over .bin/.idx files, blended and split by its builder."""
 
-    def __init__(self, cfg, cache_dir: Path):
+    def __init__(self, data, train, cache_dir: Path):
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         from .prepare_data import dataset_info
 
-        self.cfg = cfg
-        d, t = cfg.data, cfg.train
+        self.micro_batch_size = train.micro_batch_size
+        d, t = data, train
         info = dataset_info(d.paths[0])
         evals = (t.steps // d.eval_interval + 1) if d.eval_interval else 0
         sizes = [t.steps * t.global_batch_size, evals * d.eval_iters * t.global_batch_size, 0]
@@ -65,7 +65,7 @@ class IndexedSource:
         ).build()
 
     def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
-        b = self.cfg.train.micro_batch_size
+        b = self.micro_batch_size
         dataset = self.train if split == "train" else self.valid
         base = index * num_micro * b * dp_size + dp_rank * num_micro * b
         for mb in range(num_micro):
@@ -76,5 +76,6 @@ class IndexedSource:
             }
 
 
-def make_source(cfg, cache_dir: Path):
-    return IndexedSource(cfg, cache_dir) if cfg.data.kind == "indexed" else SyntheticSource(cfg)
+def make_source(data, train, model, cache_dir: Path):
+    """The run's micro-batches: `data.kind` picks the source; `model` sizes synthetic tokens."""
+    return IndexedSource(data, train, cache_dir) if data.kind == "indexed" else SyntheticSource(train, model)

@@ -70,7 +70,8 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     import deepspeed
 
     ck = trainer.cfg.checkpoint
-    with staged_iteration(root, step, ck.keep_last, checkpoint_bytes(trainer.cfg)) as partial:
+    size = checkpoint_bytes(trainer.cfg.model, trainer.cfg.precision)
+    with staged_iteration(root, step, ck.keep_last, size) as partial:
         fingerprint = logits_digest(trainer)
         # the entry DeepSpeed's universal converter wants: it lets a resume change the DP size
         trainer.engine.save_checkpoint(str(partial.parent), tag=partial.name, save_latest=False,
@@ -85,7 +86,7 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
                     "engine": "deepspeed",
                     "step": step,
                     "scheduler": trainer.scheduler.state_dict(),
-                    "settings": settings(cfg, trainer.layout.dp),
+                    "settings": settings(cfg.zero, cfg.precision, trainer.layout.dp),
                     "seed": cfg.train.seed,
                     "model": cfg.model.name,
                     "model_config": OmegaConf.to_container(cfg.model, resolve=True),
@@ -98,16 +99,16 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     return Path(root) / iteration_name(step)
 
 
-def resumes_through_universal(cfg, dp: int) -> bool:
+def resumes_through_universal(checkpoint, zero, precision, dp: int) -> bool:
     """Whether this run resumes a checkpoint saved at another data-parallel size (DeepSpeed
     must then be configured, before it starts, to load the universal form)."""
-    ck = cfg.checkpoint
+    ck = checkpoint
     if not (ck.load and holds_checkpoints(ck.load)):
         return False
     path = checkpoint_to_load(ck.load, ck.fallback)
     if path is None or engine_of(path) != "deepspeed":
         return False
-    return resharding(read_common(path)["settings"], settings(cfg, dp)) == "universal"
+    return resharding(read_common(path)["settings"], settings(zero, precision, dp)) == "universal"
 
 
 def universal_copy(path: Path, job_dir: Path) -> Path:
@@ -147,7 +148,7 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback:
     diffs = model_differences(common["model_config"], cfg.model)
     if diffs:
         raise CheckpointError(f"{path} was written for another model shape: {', '.join(diffs)}")
-    wanted = settings(cfg, trainer.layout.dp)
+    wanted = settings(cfg.zero, cfg.precision, trainer.layout.dp)
     how = resharding(common["settings"], wanted)
     if how == "refuse":
         raise CheckpointError(f"{path} was saved with DeepSpeed settings {common['settings']}; this run has {wanted}")

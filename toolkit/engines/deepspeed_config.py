@@ -13,7 +13,7 @@ def deepspeed_config(cfg, layout: ParallelLayout, load_universal: bool = False) 
     t, z, p = cfg.train, cfg.zero, cfg.precision
     # The ZeRO settings the stage reads (conf/zero; null keys resolved to DeepSpeed's defaults, see
     # zero_settings); ZeRO++ keys only when on, so that a config without them reads as before.
-    zero = {"stage": z.stage, **{k: v for k, v in resolved_zero_settings(cfg).items()
+    zero = {"stage": z.stage, **{k: v for k, v in resolved_zero_settings(z, cfg.cluster).items()
                                  if k not in GRIDWRIGHT_KEYS and (k not in ZEROPP_OFF or v != ZEROPP_OFF[k])}}
     if z.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.cluster.device == "cuda"}

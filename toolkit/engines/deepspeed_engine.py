@@ -34,12 +34,12 @@ from .protocol import Resumed
 from .timeouts import collective_timeout
 
 
-def extensions_to_build(cfg) -> list[str]:
+def extensions_to_build(cluster, zero) -> list[str]:
     """DeepSpeed's C++ ops this run will compile on first use (DS_BUILD_OPS=0 installs build
     them just in time: minutes on a small machine, once; torch caches them afterwards)."""
     from ..deepspeed_internals.extensions import CPU_ADAM, SHM_COMM, not_yet_built
 
-    return not_yet_built(([SHM_COMM] if cfg.cluster.device == "cpu" else []) + ([CPU_ADAM] if cfg.zero.offload_optimizer else []))
+    return not_yet_built(([SHM_COMM] if cluster.device == "cpu" else []) + ([CPU_ADAM] if zero.offload_optimizer else []))
 
 
 class DeepSpeedTrainer:
@@ -55,7 +55,7 @@ class DeepSpeedTrainer:
         if not on_cpu:
             torch.cuda.set_device(self.device)
         backend = "gloo" if on_cpu else "nccl"
-        deepspeed.init_distributed(dist_backend=backend, timeout=collective_timeout(cfg, backend))
+        deepspeed.init_distributed(dist_backend=backend, timeout=collective_timeout(cfg.watchdog, backend))
         torch.manual_seed(cfg.train.seed)
         if cfg.checkpoint.load and not holds_checkpoints(cfg.checkpoint.load):  # a Hugging Face folder: initial weights
             model = load_hf_model(cfg.checkpoint.load, hf_config(cfg.model))
@@ -69,14 +69,15 @@ class DeepSpeedTrainer:
         if model.is_activation_checkpointing:  # read back from the model: what the summary reports is what runs
             self.spec_name = "huggingface+recompute"
         self.spec_name += torch_native_paths(model, cfg)
-        if resolved_zero_settings(cfg).get("stage3_leaf_layers"):
+        if resolved_zero_settings(cfg.zero, cfg.cluster).get("stage3_leaf_layers"):
             # One fetch and one release per decoder layer rather than per linear: ZeRO-3's
             # hooks run on the host for every module, and the step was host-bound on them.
             from ..deepspeed_internals.engine_state import gather_whole_layers
 
             gather_whole_layers(model, type(model.model.layers[0]))
             self.spec_name += "+z3_leaf_layers"
-        ds_cfg = deepspeed_config(cfg, layout, load_universal=resumes_through_universal(cfg, layout.dp))
+        ds_cfg = deepspeed_config(cfg, layout, load_universal=resumes_through_universal(
+            cfg.checkpoint, cfg.zero, cfg.precision, layout.dp))
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)
         optimizer = None
@@ -86,9 +87,9 @@ class DeepSpeedTrainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_cfg, model_parameters=groups
         )
-        self.scheduler = lr_scheduler(cfg, self.optimizer)
+        self.scheduler = lr_scheduler(cfg.train, self.optimizer)
         self.num_micro = ds_cfg["gradient_accumulation_steps"]
-        self.data = make_source(cfg, data_cache_dir)
+        self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir)
         self.dp_rank = self.observed_coordinates()["dp"]
         self.is_logging_rank = dist.get_rank() == 0
 
@@ -181,12 +182,12 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
     """One rank's DeepSpeed trainer: the Hugging Face model, or Megatron-Core's GPTModel
     (engine.deepspeed_model; deepspeed_tensor_parallel, with Megatron-Core's fixes and CPU
     workarounds as in its own engine); process groups are destroyed at the end."""
-    pending = extensions_to_build(cfg)
+    pending = extensions_to_build(cfg.cluster, cfg.zero)
     if pending and os.environ.get("RANK", "0") == "0":
         print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
               "once; cached by torch afterwards)", flush=True)
     cache = os.path.join(job_dir or ".", "data_cache")
-    if not builds_megatron_model(cfg):
+    if not builds_megatron_model(cfg.engine, cfg.parallel):
         yield DeepSpeedTrainer(cfg, layout, cache)
         dist.destroy_process_group()
         return

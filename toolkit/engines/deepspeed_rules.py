@@ -31,32 +31,38 @@ def state_sharding(zero) -> StateSharding:
     return StateSharding(optimizer=zero.stage >= 1, gradients=zero.stage >= 2, weights=zero.stage >= 3)
 
 
-def builds_megatron_model(cfg) -> bool:
+def builds_megatron_model(engine, parallel) -> bool:
     """Whether DeepSpeed trains Megatron-Core's GPTModel (else the Hugging Face model)."""
-    choice = cfg.engine.deepspeed_model
-    return choice == "megatron" or (choice == "auto" and cfg.parallel.tp > 1)
+    choice = engine.deepspeed_model
+    return choice == "megatron" or (choice == "auto" and parallel.tp > 1)
 
 
-def builds_megatron_layer_spec(cfg) -> bool:
+def builds_megatron_layer_spec(engine, parallel) -> bool:
     """Megatron-Core's layer spec only on its GPTModel; the Hugging Face model never uses
     Transformer Engine, whatever is installed."""
-    return builds_megatron_model(cfg)
+    return builds_megatron_model(engine, parallel)
 
 
-def cuda_device_max_connections(cfg) -> int:
+def cuda_device_max_connections(engine, parallel) -> int:
     """ZeRO reduces gradients (overlap_comm) and ZeRO-3 gathers parameters on side streams
     that one hardware queue would serialise behind compute: CUDA's default of 8. Over
     Megatron-Core TP the model is Megatron's, whose SP communication is ordered on one."""
-    return 1 if cfg.parallel.tp > 1 else 8
+    return 1 if parallel.tp > 1 else 8
 
 
-def zero_settings(cfg) -> dict:
+def zero_settings(zero, cluster) -> dict:
     """The ZeRO settings this run uses, as the plan records them (null keys resolved)."""
-    return resolved_zero_settings(cfg)
+    return resolved_zero_settings(zero, cluster)
 
 
 def problems(cfg, layout, for_launch: bool) -> list[str]:
-    out = _layout_problems(cfg, layout) + zero_settings_problems(cfg, layout) + _feature_problems(cfg, layout)
+    """Every refusal of engine=deepspeed. The protocol's whole config: the checks read nearly every group."""
+    megatron_model = builds_megatron_model(cfg.engine, cfg.parallel)
+    out = (_layout_problems(layout) + _recompute_problems(cfg.train, megatron_model)
+           + _zero_problems(cfg.zero, cfg.precision)
+           + (_megatron_model_problems(cfg.zero, cfg.model, cfg.checkpoint, layout) if megatron_model else [])
+           + zero_settings_problems(cfg.zero, cfg.cluster, layout)
+           + _feature_problems(cfg.engine, cfg.precision, cfg.zero, megatron_model))
     m = cfg.model
     if cfg.engine.deepspeed_model not in MODELS:
         out.append(f"engine.deepspeed_model='{cfg.engine.deepspeed_model}' is not one of {', '.join(MODELS)}.")
@@ -64,15 +70,15 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
         out.append(f"engine.deepspeed_model=huggingface with parallel.tp={layout.tp}: the Hugging Face model has no "
                    "tensor-parallel layers here; DeepSpeed over TP trains Megatron-Core's GPTModel. "
                    "Fix: engine.deepspeed_model=auto (or megatron), or parallel.tp=1.")
-    if not builds_megatron_model(cfg) and m.rope_scaling_factor is not None:
+    if not megatron_model and m.rope_scaling_factor is not None:
         out.append("engine=deepspeed builds a plain Hugging Face model without rope scaling; Llama-3 rope "
                    "scaling needs engine=megatron.")
     if for_launch and cfg.launcher.name == "local":
-        out += _machine_problems(cfg)
+        out += _machine_problems(cfg.cluster, cfg.precision)
     return out
 
 
-def _layout_problems(cfg, layout) -> list[str]:
+def _layout_problems(layout) -> list[str]:
     out = []
     for name in ("cp", "ep"):
         if getattr(layout, name) > 1:
@@ -84,71 +90,84 @@ def _layout_problems(cfg, layout) -> list[str]:
             "gridwright does not build, and DeepSpeed refuses ZeRO-2/3 with it ('ZeRO-2 and ZeRO-3 are incompatible "
             "with pipeline parallelism', deepspeed/runtime/pipe/engine.py; deepspeedai/Megatron-DeepSpeed#474). "
             "Fix: engine=megatron.")
-    if not builds_megatron_model(cfg) and cfg.train.recompute == "selective":
-        out.append("train.recompute=selective is Megatron-Core's (attention's core only); the Hugging Face model "
-                   "engine=deepspeed trains recomputes whole layers. Fix: train.recompute=full, or parallel.tp>1 "
-                   "(Megatron-Core's GPTModel under DeepSpeed), or engine=megatron.")
-    z = cfg.zero
+    return out
+
+
+def _recompute_problems(train, megatron_model: bool) -> list[str]:
+    if not megatron_model and train.recompute == "selective":
+        return ["train.recompute=selective is Megatron-Core's (attention's core only); the Hugging Face model "
+                "engine=deepspeed trains recomputes whole layers. Fix: train.recompute=full, or parallel.tp>1 "
+                "(Megatron-Core's GPTModel under DeepSpeed), or engine=megatron."]
+    return []
+
+
+def _zero_problems(zero, precision) -> list[str]:
+    z, out = zero, []
     if z.offload_params and z.stage != 3:
         out.append(f"zero.offload_params=true needs zero.stage=3 (got {z.stage}): only ZeRO-3 partitions parameters.")
     if z.offload_optimizer and z.stage == 0:
         out.append("zero.offload_optimizer=true needs zero.stage>=1: there are no partitioned optimizer states "
                    "to offload.")
-    if z.stage == 0 and cfg.precision.params_dtype != "fp32":
+    if z.stage == 0 and precision.params_dtype != "fp32":
         out.append(
-            f"zero.stage=0 with precision.params_dtype={cfg.precision.params_dtype}: without ZeRO DeepSpeed wraps the "
+            f"zero.stage=0 with precision.params_dtype={precision.params_dtype}: without ZeRO DeepSpeed wraps the "
             "optimizer in its FP16_UnfusedOptimizer, which takes one Adam step with zero gradients at start (the "
             "first real update is then about 0.7 x lr, and weight decay is applied once) and, in fp16, divides "
             "gradients by a loss scale the loss was never multiplied by (measured with deepspeed 0.19.8). "
             "Fix: zero.stage=1, or precision.params_dtype=fp32.")
-    if builds_megatron_model(cfg) and layout.tp == 1 and z.stage in (0, 3):
-        out.append(f"engine.deepspeed_model=megatron with zero.stage={z.stage}: Megatron-Core's GPTModel runs under "
-                   "DeepSpeed's ZeRO-1/2 here (the stages verified against the Megatron engine). "
-                   "Fix: zero.stage=1 or 2, or engine.deepspeed_model=huggingface.")
-    if builds_megatron_model(cfg):
-        what = f"parallel.tp={layout.tp}" if layout.tp > 1 else "engine.deepspeed_model=megatron"
-        if z.stage == 3 and layout.tp > 1:
-            out.append(
-                f"parallel.tp={layout.tp} with zero.stage=3: ZeRO-3 partitions whole parameters for data "
-                "parallelism and does not compose with Megatron-Core's tensor-parallel layers; DeepSpeed trains "
-                "tensor parallelism with ZeRO 0-2 only (deepspeedai/DeepSpeed#6523; its AutoTP documentation, "
-                "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
-        elif z.stage == 0 and layout.tp > 1:
-            out.append(f"parallel.tp={layout.tp} with zero.stage=0: engine=deepspeed runs tensor parallelism under "
-                       "ZeRO-1/2 (its optimizer takes the gradient norm over TP shards). Fix: zero.stage=1.")
-        if z.offload_optimizer or z.offload_params:
-            out.append(f"{what} with CPU offload is not built on engine=deepspeed: DeepSpeed's CPU "
-                       "Adam would step Megatron-Core's TP shards outside the mpu-aware gradient norm gridwright "
-                       "checks against the Megatron engine, and no run of it was verified. "
-                       "Fix: zero.offload_optimizer=false, or parallel.tp=1.")
-        if cfg.model.num_experts:
-            out.append(f"{what} with experts (model.num_experts={cfg.model.num_experts}): DeepSpeed "
-                       "has no view of Megatron-Core's expert groups through its mpu interface (it would reduce "
-                       "expert gradients over the whole data-parallel group). Fix: parallel.tp=1, or engine=megatron.")
-        if cfg.checkpoint.save:
-            out.append(f"{what}: engine=deepspeed over Megatron-Core's GPTModel saves no checkpoints "
-                       "(not built: DeepSpeed's files would hold Megatron-Core's TP shards without the sharded "
-                       "metadata either converter reads). Fix: drop checkpoint.save, or engine=megatron.")
     return out
 
 
-def _feature_problems(cfg, layout) -> list[str]:
+def _megatron_model_problems(zero, model, checkpoint, layout) -> list[str]:
+    """What Megatron-Core's GPTModel under DeepSpeed does not run: only ZeRO-1/2 were verified."""
+    z, out = zero, []
+    if layout.tp == 1 and z.stage in (0, 3):
+        out.append(f"engine.deepspeed_model=megatron with zero.stage={z.stage}: Megatron-Core's GPTModel runs under "
+                   "DeepSpeed's ZeRO-1/2 here (the stages verified against the Megatron engine). "
+                   "Fix: zero.stage=1 or 2, or engine.deepspeed_model=huggingface.")
+    what = f"parallel.tp={layout.tp}" if layout.tp > 1 else "engine.deepspeed_model=megatron"
+    if z.stage == 3 and layout.tp > 1:
+        out.append(
+            f"parallel.tp={layout.tp} with zero.stage=3: ZeRO-3 partitions whole parameters for data "
+            "parallelism and does not compose with Megatron-Core's tensor-parallel layers; DeepSpeed trains "
+            "tensor parallelism with ZeRO 0-2 only (deepspeedai/DeepSpeed#6523; its AutoTP documentation, "
+            "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
+    elif z.stage == 0 and layout.tp > 1:
+        out.append(f"parallel.tp={layout.tp} with zero.stage=0: engine=deepspeed runs tensor parallelism under "
+                   "ZeRO-1/2 (its optimizer takes the gradient norm over TP shards). Fix: zero.stage=1.")
+    if z.offload_optimizer or z.offload_params:
+        out.append(f"{what} with CPU offload is not built on engine=deepspeed: DeepSpeed's CPU "
+                   "Adam would step Megatron-Core's TP shards outside the mpu-aware gradient norm gridwright "
+                   "checks against the Megatron engine, and no run of it was verified. "
+                   "Fix: zero.offload_optimizer=false, or parallel.tp=1.")
+    if model.num_experts:
+        out.append(f"{what} with experts (model.num_experts={model.num_experts}): DeepSpeed "
+                   "has no view of Megatron-Core's expert groups through its mpu interface (it would reduce "
+                   "expert gradients over the whole data-parallel group). Fix: parallel.tp=1, or engine=megatron.")
+    if checkpoint.save:
+        out.append(f"{what}: engine=deepspeed over Megatron-Core's GPTModel saves no checkpoints "
+                   "(not built: DeepSpeed's files would hold Megatron-Core's TP shards without the sharded "
+                   "metadata either converter reads). Fix: drop checkpoint.save, or engine=megatron.")
+    return out
+
+
+def _feature_problems(engine, precision, zero, megatron_model: bool) -> list[str]:
     """The torch-native paths and FP8: what exists on this engine's two model builds."""
-    e, p, out = cfg.engine, cfg.precision, []
+    e, p, out = engine, precision, []
     if e.tp_comm_overlap:
         out.append("engine.tp_comm_overlap=true swaps the Megatron engine's TP linears for gridwright's "
                    "symmetric-memory ones; DeepSpeed over TP trains Megatron-Core's own linears. "
                    "Fix: engine=megatron, or tp_comm_overlap=false.")
-    if e.compile_layers and builds_megatron_model(cfg):
+    if e.compile_layers and megatron_model:
         out.append("engine.compile_layers=true with Megatron-Core's GPTModel under DeepSpeed would compile Megatron-Core's "
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "
                    "refusal). Fix: compile_layers=false, or the Hugging Face model (parallel.tp=1, "
                    "engine.deepspeed_model=auto).")
-    if p.fp8_recipe is not None and cfg.zero.stage == 3:
+    if p.fp8_recipe is not None and zero.stage == 3:
         out.append("FP8 (precision.fp8_recipe) with zero.stage=3: torchao's float8 linears keep a view of the "
                    "whole weight for the backward, which ZeRO-3's release of gathered parameters does not free, "
                    "and no run of it was verified. Fix: zero.stage=1 or 2, or engine=megatron.")
-    if e.compile_layers and cfg.zero.stage == 3:
+    if e.compile_layers and zero.stage == 3:
         out.append("engine.compile_layers=true with zero.stage=3: ZeRO-3 gathers each parameter in forward hooks "
                    "on every submodule, which torch.compile of a whole layer traces as graph breaks; DeepSpeed's "
                    "route is its own compiler (DeepCompile, engine.compile()), which gridwright does not drive. "
@@ -158,14 +177,14 @@ def _feature_problems(cfg, layout) -> list[str]:
             out.append(f"FP8 recipe '{p.fp8_recipe}' through Transformer Engine needs Transformer Engine's layers; "
                        "engine=deepspeed trains Hugging Face (or Megatron-Core local) linears. "
                        "Fix: precision.fp8_backend=torchao with recipe tensorwise or rowwise, or engine=megatron.")
-        if builds_megatron_model(cfg):
+        if megatron_model:
             out.append("FP8 on engine=deepspeed with Megatron-Core's GPTModel is not built (torchao's float8 linears replace "
                        "the Hugging Face model's; Megatron-Core's TP linears get them on engine=megatron). "
                        "Fix: the Hugging Face model (parallel.tp=1, engine.deepspeed_model=auto), or engine=megatron.")
     return out
 
 
-def _machine_problems(cfg) -> list[str]:
+def _machine_problems(cluster, precision) -> list[str]:
     from ..versions.deepspeed_version import refusal
     from ..planning.machine_probe import probe
 
@@ -173,7 +192,7 @@ def _machine_problems(cfg) -> list[str]:
     problem = refusal()
     if problem:
         out.append(problem)
-    if cfg.cluster.device == "cpu" and cfg.precision.params_dtype == "fp16" and not probe().cpu_fp16:
+    if cluster.device == "cpu" and precision.params_dtype == "fp16" and not probe().cpu_fp16:
         out.append("engine=deepspeed with precision=fp16 on CPU needs fp16 support in oneDNN (AVX512-FP16 or "
                    "AMX-FP16), which this CPU lacks: DeepSpeed's CPU accelerator refuses fp16 here. "
                    "Fix: precision=bf16 or fp32, or engine=megatron.")
@@ -181,14 +200,13 @@ def _machine_problems(cfg) -> list[str]:
 
 
 # Checkpoints ----------------------------------------------------------------------
-def settings(cfg, dp: int) -> dict:
+def settings(zero, precision, dp: int) -> dict:
     """What a DeepSpeed checkpoint's optimizer state is shaped by, and so what a resume must
     share with the run that saved it: DeepSpeed stores each data-parallel rank's partition
     of the optimizer state under that rank's number, in the form of that ZeRO stage and
     precision, and offloaded optimizers keep their own state layout."""
-    z = cfg.zero
-    return {"dp": dp, "zero_stage": z.stage, "params_dtype": cfg.precision.params_dtype,
-            "offload_optimizer": bool(z.offload_optimizer), "offload_params": bool(z.offload_params)}
+    return {"dp": dp, "zero_stage": zero.stage, "params_dtype": precision.params_dtype,
+            "offload_optimizer": bool(zero.offload_optimizer), "offload_params": bool(zero.offload_params)}
 
 
 def resharding(saved: dict, wanted: dict) -> str:
@@ -226,7 +244,7 @@ def checkpoint_problems(cfg) -> list[str]:
     ck = cfg.checkpoint
     if not ck.load:
         return []
-    if builds_megatron_model(cfg):
+    if builds_megatron_model(cfg.engine, cfg.parallel):
         problem = describe_problem(ck.load, cfg.model, engine="megatron", trust=ck.trust_pickled_code)
         return [f"{problem} (engine=deepspeed on Megatron-Core's GPTModel starts from the weights of a Megatron-Core "
                 "checkpoint, such as hf-to-megatron writes.)"] if problem else []
@@ -243,7 +261,7 @@ def checkpoint_problems(cfg) -> list[str]:
         return [problem]
     path = checkpoint_to_load(ck.load, ck.fallback, ck.trust_pickled_code)
     problem = settings_problem(ck.load, path, read_common(path).get("settings", {}),
-                               settings(cfg, ParallelLayout.from_config(cfg).dp))
+                               settings(cfg.zero, cfg.precision, ParallelLayout.from_config(cfg).dp))
     return [problem] if problem else []
 
 

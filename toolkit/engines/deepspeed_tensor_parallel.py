@@ -123,12 +123,12 @@ class DeepSpeedTensorParallelTrainer:
 
         self.cfg, self.layout = cfg, layout
         on_cpu = cfg.cluster.device == "cpu"
-        init_parallel(cfg, layout)
+        init_parallel(cfg.cluster, cfg.watchdog, layout)
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, inference_rng_tracker=on_cpu)
         tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
-        (model,) = build_model_chunks(cfg, tcfg, False)
+        (model,) = build_model_chunks(cfg.model, cfg.parallel, tcfg, False)
         if not on_cpu:
             model.cuda(torch.cuda.current_device())
         if cfg.checkpoint.load:  # initial weights only, before DeepSpeed copies them into its fp32 masters
@@ -143,9 +143,9 @@ class DeepSpeedTensorParallelTrainer:
                                       weight_decay=opt.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, model_parameters=groups, mpu=MegatronCoreGroups())
-        self.scheduler = lr_scheduler(cfg, self.optimizer)
+        self.scheduler = lr_scheduler(cfg.train, self.optimizer)
         self.num_micro = ds_config["gradient_accumulation_steps"]
-        self.data = make_source(cfg, data_cache_dir)
+        self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
         self.spec_name = "local+sdpa"

@@ -169,7 +169,8 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     from megatron.core import dist_checkpointing
 
     ck = trainer.cfg.checkpoint
-    with staged_iteration(root, step, ck.keep_last, checkpoint_bytes(trainer.cfg)) as partial:
+    size = checkpoint_bytes(trainer.cfg.model, trainer.cfg.precision)
+    with staged_iteration(root, step, ck.keep_last, size) as partial:
         state = _sharded_state(trainer, is_loading=False, with_rng=True)
         state["common"] = {
             "step": step,

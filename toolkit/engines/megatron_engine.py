@@ -77,7 +77,7 @@ class MegatronTrainer:
         te = (not self.on_cpu) and transformer_engine_available()
         self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
         choose_torch_native_paths(cfg, self.tcfg, te)
-        chunks = build_model_chunks(cfg, self.tcfg, te)
+        chunks = build_model_chunks(cfg.model, cfg.parallel, self.tcfg, te)
         if cfg.engine.compile_layers and not te:
             compile_layers(chunks)
         self.spec_name = spec_name(chunks, self.tcfg, te)
@@ -123,9 +123,9 @@ class MegatronTrainer:
         # this hook (fp16); the optimizer divides the gradients by it. Unset, fp16 gradients
         # came out 65,536 times too small (bf16 and fp32 have scale 1).
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = lr_scheduler(cfg, self.optimizer)
+        self.scheduler = lr_scheduler(cfg.train, self.optimizer)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        self.data = make_source(cfg, data_cache_dir)
+        self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = (
             ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -217,7 +217,7 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
-        init_parallel(cfg, layout)
+        init_parallel(cfg.cluster, cfg.watchdog, layout)
         yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
         ps.destroy_model_parallel()
         dist.destroy_process_group()

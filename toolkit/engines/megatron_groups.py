@@ -12,15 +12,16 @@ from ..planning.layout import ParallelLayout
 from .timeouts import collective_timeout
 
 
-def init_parallel(cfg, layout: ParallelLayout):
-    """torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron-Core's process groups."""
+def init_parallel(cluster, watchdog, layout: ParallelLayout):
+    """torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron-Core's process groups,
+    with the watchdog's collective timeout."""
     from megatron.core import parallel_state as ps
 
-    on_cpu = cfg.cluster.device == "cpu"
+    on_cpu = cluster.device == "cpu"
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "gloo" if on_cpu else "nccl"
-    timeout = collective_timeout(cfg, backend)
+    timeout = collective_timeout(watchdog, backend)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     if dist.get_world_size() != layout.world_size:

@@ -54,8 +54,9 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         # then split), which is what makes TP=1 and TP=2 runs comparable.
         use_cpu_initialization=on_cpu,
         # Megatron-LM's choice for the interleaved schedule: overlapped, unbatched p2p.
-        # Measured on 2 x H200: with batched p2p the interleaved run barely learned
-        # (evaluations/results/bench_gpu_20261126-0344.md). On CPU
+        # Measured on 2 x H200: with batched p2p the interleaved run barely learned (loss
+        # 10.78 -> 10.63, against 10.78 -> 8.74 unbatched; evaluations/results/
+        # bench_gpu_20261126-0344.md and -0347.md, in git history at bf0dede13eb6). On CPU
         # p2p_communication.py:398 would also synchronise CUDA when batching.
         batch_p2p_comm=not on_cpu and not layout.vpp,
         overlap_p2p_comm=bool(layout.vpp),
@@ -275,7 +276,7 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
+def layer_spec(model, tcfg, te_available: bool, vp_stage=None):
     """Transformer Engine's spec when TE imports; else a torch-native one (SDPA, TorchRMSNorm).
 
     The torch-native spec is Megatron-Core's local spec with two parts injected, so its
@@ -287,7 +288,7 @@ def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
         get_num_layers_to_build,
     )
 
-    num_experts = cfg.model.num_experts or None
+    num_experts = model.num_experts or None
     if te_available:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, qk_layernorm=tcfg.qk_layernorm)
@@ -312,28 +313,28 @@ def layer_spec(cfg, tcfg, te_available: bool, vp_stage=None):
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchRMSNorm)
 
 
-def build_model_chunks(cfg, tcfg, te_available: bool) -> list:
+def build_model_chunks(model, parallel, tcfg, te_available: bool) -> list:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    vpp = cfg.parallel.vpp or 1
+    vpp = parallel.vpp or 1
     chunks = []
     for vp_stage in range(vpp):
-        stage = vp_stage if cfg.parallel.vpp else None
-        model = GPTModel(
+        stage = vp_stage if parallel.vpp else None
+        chunk = GPTModel(
             config=tcfg,
-            transformer_layer_spec=layer_spec(cfg, tcfg, te_available, vp_stage=stage),
-            vocab_size=cfg.model.vocab_size,
-            max_sequence_length=cfg.model.max_position_embeddings,
+            transformer_layer_spec=layer_spec(model, tcfg, te_available, vp_stage=stage),
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+            share_embeddings_and_output_weights=model.tie_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(cfg.model.rotary_base),
-            rope_scaling=cfg.model.rope_scaling_factor is not None,
-            rope_scaling_factor=cfg.model.rope_scaling_factor or 8.0,
+            rotary_base=int(model.rotary_base),
+            rope_scaling=model.rope_scaling_factor is not None,
+            rope_scaling_factor=model.rope_scaling_factor or 8.0,
             vp_stage=stage,
         )
-        chunks.append(model)
+        chunks.append(chunk)
     return chunks

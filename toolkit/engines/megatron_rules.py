@@ -17,19 +17,19 @@ def state_sharding(zero) -> StateSharding:
     return StateSharding(optimizer=zero.stage >= 1, gradients=zero.stage >= 3, weights=zero.stage >= 3)
 
 
-def builds_megatron_layer_spec(cfg) -> bool:
+def builds_megatron_layer_spec(engine, parallel) -> bool:
     """Megatron-Core's layer spec: Transformer Engine's where it imports, else torch-native."""
     return True
 
 
-def cuda_device_max_connections(cfg) -> int:
+def cuda_device_max_connections(engine, parallel) -> int:
     """Megatron-Core orders TP/SP communication before compute on one connection; the
     symmetric-memory overlap (engine.tp_comm_overlap) needs its copy streams to run beside
     compute, which one connection serialises (8 is CUDA's default)."""
-    return 8 if cfg.engine.tp_comm_overlap else 1
+    return 8 if engine.tp_comm_overlap else 1
 
 
-def zero_settings(cfg) -> None:
+def zero_settings(zero, cluster) -> None:
     """DeepSpeed's ZeRO settings the plan records: none (this engine reads none of them)."""
     return None
 
@@ -52,7 +52,7 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
         out.append(
             "engine.overlap_param_gather=true needs the distributed optimizer (zero.stage=1 or 2): "
             "without sharding there is no parameter all-gather to overlap.")
-    keys = explicit_deepspeed_only_keys(cfg)
+    keys = explicit_deepspeed_only_keys(z)
     if keys:
         out.append(f"{', '.join(f'zero.{k}' for k in keys)}: DeepSpeed's ZeRO settings, which engine=megatron does "
                    "not read (its buckets are engine.bucket_size, its overlap engine.overlap_grad_reduce and "

@@ -58,12 +58,12 @@ def param_groups(module: torch.nn.Module, config) -> list[dict]:
     ]
 
 
-def lr_scheduler(cfg, optimizer):
+def lr_scheduler(train, optimizer):
     """Megatron-Core's scheduler over `optimizer.param_groups`; call `.step(increment=1)`
     after every applied update. It sets the first step's rate (0 with a warm-up) at once."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = cfg.train
+    t = train
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

@@ -8,14 +8,16 @@ An engine is a pair of modules:
                     `problems(cfg, layout, for_launch)` (every refusal of this engine,
                     with its reason), `checkpoint_problems(cfg)`, `state_sharding(zero)`
                     (what the ZeRO stage shards, for the memory estimate),
-                    `builds_megatron_layer_spec(cfg)` (whether Transformer Engine's
-                    presence changes what is built), `cuda_device_max_connections(cfg)`
-                    (the workers' hardware queues) and
-                    `zero_settings(cfg)` (the ZeRO settings the plan records, or None).
+                    `builds_megatron_layer_spec(engine, parallel)` (whether Transformer
+                    Engine's presence changes what is built),
+                    `cuda_device_max_connections(engine, parallel)` (the workers' hardware
+                    queues) and `zero_settings(zero, cluster)` (the ZeRO settings the plan
+                    records, or None).
     <name>_engine   `open_trainer(cfg, layout, job_dir)`: a context manager that sets up
                     process groups, yields a `Trainer`, and tears them down.
 
-`gridwright.engines.registry` is the one place that picks them by `engine.name`.
+`gridwright.engines.registry` is the one place that picks them by `engine.name`
+(`rules(cfg.engine)`).
 """
 from __future__ import annotations
 

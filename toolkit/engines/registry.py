@@ -8,18 +8,13 @@ import importlib
 ENGINES = ("megatron", "deepspeed")
 
 
-def is_known(cfg) -> bool:
+def is_known(engine) -> bool:
     """Whether `engine.name` names an engine (validation says so in one line otherwise)."""
-    return cfg.engine.name in ENGINES
+    return engine.name in ENGINES
 
 
-def rules(cfg_or_name):
-    """The torch-free rules module of an engine (see `protocol`)."""
-    return importlib.import_module(f"{__package__}.{_name(cfg_or_name)}_rules")
-
-
-def _name(cfg_or_name) -> str:
-    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.engine.name
-    if name not in ENGINES:
-        raise ValueError(f"engine.name='{name}' is not one of {', '.join(ENGINES)}.")
-    return name
+def rules(engine):
+    """The torch-free rules module of the engine group's engine (see `protocol`)."""
+    if engine.name not in ENGINES:
+        raise ValueError(f"engine.name='{engine.name}' is not one of {', '.join(ENGINES)}.")
+    return importlib.import_module(f"{__package__}.{engine.name}_rules")

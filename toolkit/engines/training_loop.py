@@ -26,7 +26,7 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
     summary: with engine.compile_layers, how many graphs torch.compile made in this process
     (0 would mean nothing compiled), whichever engine compiled its layers."""
     progress = progress or NO_PROGRESS
-    engine = importlib.import_module(f"{__package__}.{rules(cfg).TRAINER_MODULE}")
+    engine = importlib.import_module(f"{__package__}.{rules(cfg.engine).TRAINER_MODULE}")
     with engine.open_trainer(cfg, layout, job_dir) as trainer:
         _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
     if not cfg.engine.compile_layers:

@@ -19,7 +19,8 @@ hidden_size^2, prefetch 0.9 x hidden_size^2, persistence 10 x hidden_size;
 https://huggingface.co/docs/transformers/deepspeed), the bench model (hidden 2048) ran
 slower in the same call on 2 x H100: ZeRO-3 21,083 tokens/s/GPU against 27,052 with
 DeepSpeed's defaults, ZeRO-1 55,740 against 57,050. Leaf layers took ZeRO-3 to 44,745 on
-2 x H200 (evaluations/results/zero_speed_*.md has both calls).
+2 x H200 (evaluations/results/zero_speed_2xh100_20261127-2327_engines.md, _settings.md and
+zero_speed_2xh200_20261127-2336.md, in git history at commit bf0dede13eb6).
 
 Torch-free and DeepSpeed-free: validation imports it.
 """
@@ -55,11 +56,11 @@ def _on(z, key: str) -> bool:
     return v is not None and v != ZEROPP_OFF[key]
 
 
-def resolved_zero_settings(cfg) -> dict:
+def resolved_zero_settings(zero, cluster) -> dict:
     """The ZeRO settings DeepSpeed will run with, by key (its zero_optimization names): only
     those the stage reads. ZeRO-0 runs no ZeRO optimizer and reads none; `allgather_bucket_size`
-    is ZeRO-1/2's, the stage3_* and ZeRO++ keys ZeRO-3's."""
-    z = cfg.zero
+    is ZeRO-1/2's, the stage3_* and ZeRO++ keys ZeRO-3's. `cluster.device` decides overlap_comm."""
+    z = zero
     stage = int(z.stage)
     if stage == 0:
         return {}
@@ -69,7 +70,7 @@ def resolved_zero_settings(cfg) -> dict:
         return default if v is None else v
 
     out = {
-        "overlap_comm": bool(pick("overlap_comm", cfg.cluster.device == "cuda")),
+        "overlap_comm": bool(pick("overlap_comm", cluster.device == "cuda")),
         "contiguous_gradients": bool(pick("contiguous_gradients", True)),
         "reduce_bucket_size": int(pick("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_SIZE)),
     }
@@ -87,21 +88,21 @@ def resolved_zero_settings(cfg) -> dict:
     return out
 
 
-def explicit_deepspeed_only_keys(cfg) -> list[str]:
+def explicit_deepspeed_only_keys(zero) -> list[str]:
     """The DeepSpeed-only ZeRO settings the user set (key names under `zero.`, schema order):
     non-null, except a ZeRO++ key at its off value (zero_hpz_partition_size=1,
     zero_quantized_*=false), which asks for nothing. engine=megatron reads none of them (its
     own knobs: engine.overlap_grad_reduce, engine.bucket_size)."""
-    z = cfg.zero
-    return [k for k in DEEPSPEED_KEYS if _set(z, k) is not None and (k not in ZEROPP_OFF or _on(z, k))]
+    return [k for k in DEEPSPEED_KEYS if _set(zero, k) is not None and (k not in ZEROPP_OFF or _on(zero, k))]
 
 
-def zero_settings_problems(cfg, layout) -> list[str]:
+def zero_settings_problems(zero, cluster, layout) -> list[str]:
     """One line per problem with the ZeRO settings of an engine=deepspeed run (`layout` gives
     the data-parallel size): sizes DeepSpeed refuses or cannot use, keys the stage ignores,
     hpZ groups that do not tile the data-parallel ranks, and ZeRO++ quantization where
-    DeepSpeed has no kernels for it or does not use it."""
-    z, out = cfg.zero, []
+    DeepSpeed has no kernels for it or does not use it (`cluster`: its device, nodes and
+    GPUs per node)."""
+    z, out = zero, []
     stage = int(z.stage)
 
     # Sizes. DeepSpeedZeroConfig: reduce_bucket_size gt=0, the others ge=0; an
@@ -122,7 +123,7 @@ def zero_settings_problems(cfg, layout) -> list[str]:
 
     # Keys this stage does not read.
     if stage == 0:
-        keys = [f"zero.{k}={_fmt(_set(z, k))}" for k in explicit_deepspeed_only_keys(cfg)]
+        keys = [f"zero.{k}={_fmt(_set(z, k))}" for k in explicit_deepspeed_only_keys(z)]
         if keys:
             out.append(f"{', '.join(keys)} with zero.stage=0: ZeRO-0 runs no ZeRO optimizer and DeepSpeed ignores "
                        "these. Fix: remove them, or zero.stage=1, 2 or 3.")
@@ -158,15 +159,15 @@ def zero_settings_problems(cfg, layout) -> list[str]:
                    "hpZ partitions a secondary copy of the parameters within groups of that many consecutive "
                    "ranks, which must tile the data-parallel ranks (DeepSpeed's _create_zero_param_parallel_group "
                    f"asserts it). Fix: a divisor of {layout.dp}, usually cluster.gpus_per_node="
-                   f"{cfg.cluster.gpus_per_node}.")
+                   f"{cluster.gpus_per_node}.")
     quantized = [f"zero.{k}=true" for k in ("zero_quantized_weights", "zero_quantized_gradients") if _on(z, k)]
-    if quantized and cfg.cluster.device != "cuda":
-        out.append(f"{', '.join(quantized)} on cluster.device={cfg.cluster.device}: ZeRO++'s quantization runs "
+    if quantized and cluster.device != "cuda":
+        out.append(f"{', '.join(quantized)} on cluster.device={cluster.device}: ZeRO++'s quantization runs "
                    "DeepSpeed's CUDA quantizer kernels (QuantizerBuilder, csrc/quantization/*.cu); its CPU "
                    "accelerator has none and fails with 'This op had not been implemented on CPU backend.' "
                    "Fix: turn them off on CPU.")
-    elif _on(z, "zero_quantized_gradients") and cfg.cluster.nodes < 2:
-        out.append(f"zero.zero_quantized_gradients=true on cluster.nodes={cfg.cluster.nodes}: qgZ quantizes "
+    elif _on(z, "zero_quantized_gradients") and cluster.nodes < 2:
+        out.append(f"zero.zero_quantized_gradients=true on cluster.nodes={cluster.nodes}: qgZ quantizes "
                    "only the gradient all-to-all between nodes; on one node DeepSpeed falls back to its plain "
                    "reduce-scatter (stage3.py: 'num_nodes > 1'), so it would do nothing. Fix: remove it.")
     return out

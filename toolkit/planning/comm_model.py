@@ -25,6 +25,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -359,7 +360,8 @@ def plot_profile(profile: CommProfile, path_png) -> Path:
 # Communication of one training step --------------------------------------------------------
 @dataclass(frozen=True)
 class _Step:
-    """The quantities every term below is built from (one rank of the first stage)."""
+    """The quantities every term below is built from (one rank of the first stage), read
+    from the config once by `predict_step_communication`: the terms see only these."""
 
     s: int  # sequence length
     s_cp: int  # sequence per CP rank: s / cp
@@ -373,18 +375,13 @@ class _Step:
     last_stage: bool  # the first stage is also the last (pp == 1)
     moe: bool
     params: ParamCounts  # the whole model's parameter counts
-
-
-def _step(cfg, layout: ParallelLayout, params: ParamCounts) -> _Step:
-    t, m = cfg.train, cfg.model
-    s, cp, tp = int(t.seq_length), layout.cp, layout.tp
-    sixteen = cfg.precision.params_dtype in ("bf16", "fp16")
-    return _Step(
-        s=s, s_cp=s // cp, s_pipe=s // cp // (tp if layout.sp else 1), b=int(t.micro_batch_size),
-        h=int(m.hidden_size), act=2 if sixteen else 4, param_bytes=2 if sixteen else 4,
-        micro=layout.accumulation(t), params=params,
-        layers=int(m.num_layers) // layout.pp, last_stage=layout.pp == 1, moe=int(m.num_experts) > 0,
-    )
+    model: Any  # the model group (heads, query groups, experts, tied embeddings)
+    recompute: str  # train.recompute
+    zero_stage: int
+    vpp: int  # model chunks per rank (parallel.vpp, 1 without VPP)
+    bucket_size: int | None  # engine.bucket_size (Megatron-FSDP's bucket outside the layers)
+    ddp_bucket: int | None  # DDP's bucket in elements (`_bucket_elements`); None: one bucket
+    dispatcher: str  # parallel.moe_token_dispatcher
 
 
 class _Calls:
@@ -407,7 +404,7 @@ class _Calls:
         ]
 
 
-def _tp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
+def _tp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Tensor parallelism (group tp), per layer per micro-batch unless said otherwise.
 
     A = s/cp x b x h x act bytes (the full sequence of this CP rank). A dense layer has
@@ -446,7 +443,7 @@ def _tp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     if tp == 1:
         return []
     c = _Calls(tp)
-    m = cfg.model
+    m = st.model
     A = st.s_cp * st.b * st.h * st.act
     per = st.layers * st.micro
     pairs = 1 if st.moe else 2  # column-parallel (and row-parallel) linears per layer
@@ -465,7 +462,7 @@ def _tp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
         c.add(coll, A, pairs * per, f"{what}, forward")
     for coll, what in backward:
         c.add(coll, A, pairs * per, f"{what}, backward")
-    if cfg.train.recompute == "full":
+    if st.recompute == "full":
         for coll, what in forward:
             c.add(coll, A, pairs * per, f"{what}, recomputed in backward")
     if layout.sp:
@@ -492,7 +489,7 @@ def _tp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     return c.as_list()
 
 
-def _cp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
+def _cp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Context parallelism (group cp) as the torch-native engine path does it
     (megatron_model.SDPACoreAttention): per layer per micro-batch, forward one all_gather
     each of K and V, total output KV = s x b x (num_query_groups / tp) x head_dim x act;
@@ -507,13 +504,13 @@ def _cp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     if cp == 1:
         return []
     c = _Calls(cp)
-    m = cfg.model
+    m = st.model
     head_dim = m.get("head_dim") or st.h // int(m.num_attention_heads)
     kv = st.s * st.b * (int(m.num_query_groups) // layout.tp) * head_dim * st.act
     per = st.layers * st.micro
     c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, forward")
     c.add("all_reduce", kv, 2 * per, "CP all-reduce of the K and V gradients, backward")
-    if cfg.train.recompute in ("selective", "full"):
+    if st.recompute in ("selective", "full"):
         c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, recomputed in backward")
     if st.moe and m.moe_aux_loss_coeff > 0 and layout.tp == 1:
         c.add("all_reduce", int(m.num_experts) * 8, per, "MoE aux-loss tokens-per-expert all-reduce, forward")
@@ -522,7 +519,7 @@ def _cp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     return c.as_list()
 
 
-def _stage_params(cfg, layout: ParallelLayout, st: _Step) -> tuple[list[int], list[int], int]:
+def _stage_params(layout: ParallelLayout, st: _Step) -> tuple[list[int], list[int], int]:
     """Parameters one rank of the first stage holds: (dense per layer [for each layer],
     experts per layer [for each layer], dense outside the layers).
 
@@ -534,7 +531,7 @@ def _stage_params(cfg, layout: ParallelLayout, st: _Step) -> tuple[list[int], li
     moe/experts.py), so with EP = 1 they join the dense buffer. The first stage holds the
     embedding, and with pp == 1 also the final norm and the (untied) output layer.
     """
-    m, pc = cfg.model, st.params
+    m, pc = st.model, st.params
     tp, h = layout.tp, int(m.hidden_size)
     head_dim = m.get("head_dim") or h // int(m.num_attention_heads)
     qkv_bias = (int(m.num_attention_heads) + 2 * int(m.num_query_groups)) * head_dim if m.qkv_bias else 0
@@ -559,12 +556,11 @@ def _buckets(elements: int, bucket: int | None) -> list[int]:
     return [bucket] * full + ([rest] if rest else [])
 
 
-def _grad_sync(c: _Calls, cfg, st: _Step, layer_params: list[int], outside: int,
-               bucket: int | None, label: str) -> None:
+def _grad_sync(c: _Calls, st: _Step, layer_params: list[int], outside: int, label: str) -> None:
     """One buffer's data-parallel traffic (see `_dp_calls`)."""
-    stage, vpp = int(cfg.zero.stage), int(cfg.parallel.vpp or 1)
+    stage, vpp = st.zero_stage, st.vpp
     if stage == 3:  # Megatron-FSDP: one unit per layer, the rest in one bucket (or bucket_size)
-        units = list(layer_params) + _buckets(outside, cfg.engine.bucket_size)
+        units = list(layer_params) + _buckets(outside, st.bucket_size)
         for elems in units:
             c.add("all_gather", elems * st.param_bytes, st.micro, f"FSDP {label} parameter all-gather, forward")
             c.add("all_gather", elems * st.param_bytes, st.micro, f"FSDP {label} parameter all-gather, backward")
@@ -575,7 +571,7 @@ def _grad_sync(c: _Calls, cfg, st: _Step, layer_params: list[int], outside: int,
     per_chunk = len(layer_params) // vpp
     chunks = [sum(layer_params[i * per_chunk:(i + 1) * per_chunk]) for i in range(vpp)]
     chunks[0] += outside
-    buckets = _buckets(chunks[0], bucket) + [e for e in chunks[1:] if e]
+    buckets = _buckets(chunks[0], st.ddp_bucket) + [e for e in chunks[1:] if e]
     for elems in buckets:
         if stage == 0:
             c.add("all_reduce", elems * 4, 1, f"{label} gradient all-reduce (fp32), per bucket")
@@ -584,18 +580,17 @@ def _grad_sync(c: _Calls, cfg, st: _Step, layer_params: list[int], outside: int,
             c.add("all_gather", elems * st.param_bytes, 1, f"{label} updated-parameter all-gather, per bucket")
 
 
-def _bucket_elements(cfg, layout: ParallelLayout) -> int | None:
+def _bucket_elements(engine, layout: ParallelLayout) -> int | None:
     """Megatron-Core 0.16.1 DDP: engine.bucket_size or max(40M, 1M x DP) elements, but only
     when overlap_grad_reduce is on; without it `bucket_size` is set to None (one bucket)."""
-    e = cfg.engine
-    if not e.overlap_grad_reduce:
+    if not engine.overlap_grad_reduce:
         return None
-    if e.bucket_size:
-        return int(e.bucket_size)
+    if engine.bucket_size:
+        return int(engine.bucket_size)
     return max(BUCKET_FLOOR_ELEMENTS, BUCKET_PER_DP_RANK_ELEMENTS * layout.dp)
 
 
-def _dp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
+def _dp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Data parallelism of the dense parameters (Megatron's data-parallel group with CP,
     placement kind dp_cp), per step.
 
@@ -616,26 +611,26 @@ def _dp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     if n == 1:
         return []
     c = _Calls(n)
-    dense, _, outside = _stage_params(cfg, layout, st)
-    _grad_sync(c, cfg, st, dense, outside, _bucket_elements(cfg, layout), "dense")
+    dense, _, outside = _stage_params(layout, st)
+    _grad_sync(c, st, dense, outside, "dense")
     if st.last_stage:
         c.add("all_reduce", 4, 1, "mean loss for logging, once per step")
     return c.as_list()
 
 
-def _edp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
+def _edp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Data parallelism of the expert parameters (group edp): as `_dp_calls`, for the
     separate buffer of expert weights (experts per layer / (EP x expert-TP))."""
     n = layout.expert_dp
-    _, experts, _ = _stage_params(cfg, layout, st)
+    _, experts, _ = _stage_params(layout, st)
     if n == 1 or not experts:
         return []
     c = _Calls(n)
-    _grad_sync(c, cfg, st, experts, 0, _bucket_elements(cfg, layout), "expert")
+    _grad_sync(c, st, experts, 0, "expert")
     return c.as_list()
 
 
-def _pp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
+def _pp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Pipeline parallelism (group pp), the first stage, per micro-batch.
 
     The p2p tensor is s/cp x b x h x act bytes (s/cp/tp under SP: schedules.py,
@@ -656,22 +651,22 @@ def _pp_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     c.add("send_recv", act, (v - 1) * st.micro, "activation receive from the last stage (VPP), forward")
     c.add("send_recv", act, v * st.micro, "gradient receive from the next stage, backward")
     c.add("send_recv", act, (v - 1) * st.micro, "gradient send to the last stage (VPP), backward")
-    if cfg.model.tie_embeddings:
+    if st.model.tie_embeddings:
         emb = st.params.embedding // layout.tp
         c.add("all_reduce", emb * 4, 1, "tied embedding gradient with the last stage (fp32), once per step",
               group_size=2)
     return c.as_list()
 
 
-def _ep_group(cfg, layout: ParallelLayout) -> tuple[str, int]:
+def _ep_group(layout: ParallelLayout, st: _Step) -> tuple[str, int]:
     """(placement kind, size) of the group expert parallelism's traffic runs over: the EP
     group, or for the allgather dispatcher with expert-TP the tp x ep group (etp_ep)."""
-    if cfg.parallel.moe_token_dispatcher == "alltoall" or layout.etp == 1:
+    if st.dispatcher == "alltoall" or layout.etp == 1:
         return "ep", layout.ep
     return "etp_ep", layout.ep * layout.etp
 
 
-def _ep_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
+def _ep_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Expert parallelism, per MoE layer per micro-batch (every layer is MoE here).
 
     T = s/cp (/tp under SP) x b tokens enter the layer on this rank; k = top-k; E experts.
@@ -689,15 +684,15 @@ def _ep_calls(cfg, layout: ParallelLayout, st: _Step) -> list[dict]:
     all_gather carries its own group size (tp x ep). Expert-TP's own all-gathers inside
     the alltoall dispatcher are not modelled.
     """
-    m = cfg.model
+    m = st.model
     if not st.moe or layout.ep * layout.etp == 1:
         return []
     n_tpep = layout.ep * layout.etp
     T = st.s_pipe * st.b
     k, E, h, a = int(m.moe_router_topk), int(m.num_experts), st.h, st.act
     per = st.layers * st.micro
-    recompute = cfg.train.recompute == "full"
-    if cfg.parallel.moe_token_dispatcher == "alltoall":
+    recompute = st.recompute == "full"
+    if st.dispatcher == "alltoall":
         if layout.ep == 1:
             return []
         c = _Calls(layout.ep)
@@ -753,17 +748,28 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     """
     from ..engines.registry import rules
 
-    if not rules(cfg).CAPABILITIES.models_communication:
+    if not rules(cfg.engine).CAPABILITIES.models_communication:
         raise ValueError(f"predict_step_communication models the Megatron engine's collectives; engine "
                          f"{cfg.engine.name} declares that it has no model")
-    st = _step(cfg, layout, params or param_counts(cfg.model))
+    t, m = cfg.train, cfg.model
+    s, cp, tp = int(t.seq_length), layout.cp, layout.tp
+    sixteen = cfg.precision.params_dtype in ("bf16", "fp16")
+    st = _Step(
+        s=s, s_cp=s // cp, s_pipe=s // cp // (tp if layout.sp else 1), b=int(t.micro_batch_size),
+        h=int(m.hidden_size), act=2 if sixteen else 4, param_bytes=2 if sixteen else 4,
+        micro=layout.accumulation(t), params=params or param_counts(m),
+        layers=int(m.num_layers) // layout.pp, last_stage=layout.pp == 1, moe=int(m.num_experts) > 0,
+        model=m, recompute=t.recompute, zero_stage=int(cfg.zero.stage), vpp=int(cfg.parallel.vpp or 1),
+        bucket_size=cfg.engine.bucket_size, ddp_bucket=_bucket_elements(cfg.engine, layout),
+        dispatcher=cfg.parallel.moe_token_dispatcher,
+    )
     groups = {  # kind -> (placement kind, group size, calls)
-        "tp": ("tp", layout.tp, _tp_calls(cfg, layout, st)),
-        "cp": ("cp", layout.cp, _cp_calls(cfg, layout, st)),
-        "dp": ("dp_cp", layout.dp * layout.cp, _dp_calls(cfg, layout, st)),
-        "pp": ("pp", layout.pp, _pp_calls(cfg, layout, st)),
-        "ep": (*_ep_group(cfg, layout), _ep_calls(cfg, layout, st)),
-        "edp": ("edp", layout.expert_dp, _edp_calls(cfg, layout, st)),
+        "tp": ("tp", layout.tp, _tp_calls(layout, st)),
+        "cp": ("cp", layout.cp, _cp_calls(layout, st)),
+        "dp": ("dp_cp", layout.dp * layout.cp, _dp_calls(layout, st)),
+        "pp": ("pp", layout.pp, _pp_calls(layout, st)),
+        "ep": (*_ep_group(layout, st), _ep_calls(layout, st)),
+        "edp": ("edp", layout.expert_dp, _edp_calls(layout, st)),
     }
     out = {}
     for kind, (placement_kind, size, calls) in groups.items():

@@ -23,19 +23,19 @@ def size_text(n: float) -> str:
     return f"{n / GIB:,.1f} GiB" if n >= GIB else f"{n / MIB:,.1f} MiB"
 
 
-def checkpoint_bytes(cfg) -> int:
+def checkpoint_bytes(model, precision) -> int:
     """The size of one checkpoint of this run, estimated."""
-    n = param_counts(cfg.model).total
-    weights = _DTYPE_BYTES.get(cfg.precision.params_dtype, 4)
+    n = param_counts(model).total
+    weights = _DTYPE_BYTES.get(precision.params_dtype, 4)
     masters = 4 if weights != 4 else 0
     return int(n * (weights + masters + 8) * 1.25)
 
 
-def saves_kept(cfg, first_step: int = 0) -> int:
+def saves_kept(checkpoint, train, first_step: int = 0) -> int:
     """How many checkpoints this run adds to its file system at the most, from
     `first_step` on (a resume): with `keep_last`, the kept ones plus the one being written
     before the oldest is removed."""
-    ck, steps = cfg.checkpoint, cfg.train.steps
+    ck, steps = checkpoint, train.steps
     every = ck.save_interval or steps
     due = {s for s in range(every, steps + 1, every) if s > first_step} | ({steps} if steps > first_step else set())
     return min(len(due), ck.keep_last + 1) if ck.keep_last else len(due)
@@ -53,15 +53,16 @@ def space_problem(cfg, first_step: int = 0, already_kept: int = 0) -> str | None
     """Why `checkpoint.save` cannot hold this run's checkpoints, or None. A resume passes
     its `first_step` and how many checkpoints the save root holds that retention counts."""
     root = cfg.checkpoint.save
-    count = saves_kept(cfg, first_step)
+    count = saves_kept(cfg.checkpoint, cfg.train, first_step)
     if cfg.checkpoint.keep_last:
         count = max(min(count, 1), count - already_kept)
-    need = checkpoint_bytes(cfg) * count
+    one = checkpoint_bytes(cfg.model, cfg.precision)
+    need = one * count
     free = free_bytes(root)
     if free >= need:
         return None
     return (f"checkpoint.save={root} has {size_text(free)} free, but this run adds up to {count} checkpoint(s) "
-            f"of about {size_text(checkpoint_bytes(cfg))} there ({size_text(need)}). Fix: free space, save "
+            f"of about {size_text(one)} there ({size_text(need)}). Fix: free space, save "
             "elsewhere, save less often (checkpoint.save_interval) or keep fewer (checkpoint.keep_last=N).")
 
 

@@ -72,7 +72,7 @@ def derive_plan(cfg, layout: ParallelLayout, placement: Placement) -> Plan:
         tokens_per_step=int(t.global_batch_size) * int(t.seq_length), params=params,
         flops=flops_record(cfg, params),
         memory=estimate_memory(cfg, layout, params) if cfg.cluster.device == "cuda" else None,
-        zero_settings=rules(cfg).zero_settings(cfg), comm_profile=cfg.cluster.comm_profile,
+        zero_settings=rules(cfg.engine).zero_settings(cfg.zero, cfg.cluster), comm_profile=cfg.cluster.comm_profile,
         predicted_communication=predict_communication(cfg, layout, params))
 
 
@@ -81,7 +81,7 @@ def predict_communication(cfg, layout: ParallelLayout, params: ParamCounts | Non
     without one, or for an engine whose collectives are not modelled. Raises
     CommProfileProblem when the profile cannot price this layout."""
     profile = cfg.cluster.comm_profile
-    if not profile or not rules(cfg).CAPABILITIES.models_communication:
+    if not profile or not rules(cfg.engine).CAPABILITIES.models_communication:
         return None
     try:
         return predict_step_communication(cfg, layout, CommProfile.load(profile), params)

@@ -14,8 +14,12 @@ entry point, and adds what torchrun leaves out:
 * `--rdzv-backend=gridwright-loopback` is torchrun's static rendezvous with its store
   listening on the endpoint's address only (torch's TCPStore otherwise listens on every
   interface): the local launcher's rendezvous is unreachable from other hosts;
-* at the end it closes the job's MLflow run if the rank that kept it open died without
-  doing so (gridwright.tracking.mlflow_runs.close_orphaned_run).
+* on node 0 it owns the job's MLflow run: it opens the run before the workers start (they
+  log their step metrics into it: MLFLOW_RUN_ID), and closes it as finished, failed or
+  killed when torchrun returns, with what the job directory holds (summary, hang report,
+  the logging rank's error). Killed outright (SIGKILL), it leaves the run RUNNING for the
+  next look at the job directory (the local launcher, `gridwright.tracking.sync`, a re-run)
+  to close (gridwright.tracking.run_owner).
 """
 from __future__ import annotations
 
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, note_signal)
+    run = JobRun.open(job_dir, torchrun_args)
     code = 1
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -158,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         left = end_run_processes(token)
         if left:
             print(f"agent       ended {left} process(es) the workers left behind", file=sys.stderr, flush=True)
-        _close_orphaned_run(job_dir, killed="signal" in stopped_by, since=started)
+        if run is not None:
+            run.close(code, stopped_by.get("signal"), since=started)
     return code
 
 
@@ -175,24 +181,70 @@ def _start_watchdog(job_dir: Path, token: str):
     return Watchdog(job_dir, cfg, token).start()
 
 
-def _close_orphaned_run(job_dir: Path, killed: bool, since: float) -> None:
-    from gridwright.runtime.jobdir import load_job_config
+def node_rank(torchrun_args: list[str]) -> int:
+    """This node's rank among the job's nodes, from torchrun's options (0 when not given)."""
+    for i, arg in enumerate(torchrun_args):
+        for flag in ("--node_rank", "--node-rank"):
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+            if arg == flag and i + 1 < len(torchrun_args):
+                return int(torchrun_args[i + 1])
+    return 0
 
-    try:
-        cfg = load_job_config(job_dir)
-    except OSError:
-        return
-    if not cfg.tracking.enabled:
-        return
-    from gridwright.tracking.mlflow_runs import close_orphaned_run
 
-    from .watchdog import hang_summary
+class JobRun:
+    """The job's MLflow run, as node 0's agent owns it."""
 
-    try:
-        close_orphaned_run(cfg, job_dir, status="killed" if killed else "failed", error=hang_summary(job_dir, since))
-    except Exception as e:  # noqa: BLE001 - a store out of reach must not hide the run's own exit
-        print(f"agent       could not close the job's MLflow run ({type(e).__name__}: {e}); "
-              f"python -m gridwright.tracking.sync {job_dir} closes it later", file=sys.stderr, flush=True)
+    def __init__(self, cfg, job_dir: Path, run_id: str):
+        self.cfg, self.job_dir, self.run_id = cfg, job_dir, run_id
+
+    @classmethod
+    def open(cls, job_dir: Path, torchrun_args: list[str]) -> "JobRun | None":
+        """Open (or reopen) the run on node 0 with tracking on, and hand its id to the
+        workers this agent starts; None elsewhere, or when the store cannot be reached
+        (training goes on; the job directory keeps the record)."""
+        from gridwright.runtime.jobdir import load_job_config
+
+        try:
+            cfg = load_job_config(job_dir)
+        except OSError:
+            return None
+        if not cfg.tracking.enabled or node_rank(torchrun_args) != 0:
+            return None
+        from gridwright.runtime.jobdir import FAILURE_FILE
+        from gridwright.tracking import mlflow_runs as tracking
+
+        (job_dir / FAILURE_FILE).unlink(missing_ok=True)  # an earlier attempt's
+        try:
+            run_id = tracking.open_run(cfg, job_dir)
+        except Exception as e:  # noqa: BLE001 - tracking never stops training
+            print(tracking.tracking_failure_line("opening the run", tracking.one_line(e), job_dir), flush=True)
+            return None
+        os.environ["MLFLOW_RUN_ID"] = run_id
+        os.environ["MLFLOW_TRACKING_URI"] = tracking.tracking_uri(cfg.tracking)
+        print(f"mlflow      run {run_id} in {os.environ['MLFLOW_TRACKING_URI']}", flush=True)
+        return cls(cfg, job_dir, run_id)
+
+    def close(self, code: int, signum: int | None, since: float) -> None:
+        """End the run as the job ended: killed (a stop by signal), finished, or failed
+        with why (the watchdog's hang report, the logging rank's error, the exit code)."""
+        from gridwright.runtime.jobdir import FAILURE_FILE, SUMMARY_FILE, read_json
+        from gridwright.tracking import mlflow_runs as tracking
+
+        from .watchdog import hang_summary
+
+        stopped = signum or read_json(self.job_dir / SUMMARY_FILE).get("stopped_by_signal")
+        status = "killed" if stopped else "finished" if code == 0 else "failed"
+        error = None
+        if status != "finished":
+            error = (hang_summary(self.job_dir, since=since) or read_json(self.job_dir / FAILURE_FILE).get("error")
+                     or f"the workers ended with exit code {code}")
+        try:
+            tracking.close_run(self.cfg.tracking, self.run_id, status, job_dir=self.job_dir, error=error)
+            print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg.tracking), self.run_id)), flush=True)
+        except Exception as e:  # noqa: BLE001 - a store out of reach must not hide the run's own exit
+            print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), self.job_dir),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def no_inherited_mlflow_run(monkeypatch):
-    """MLflow's `set_tracking_uri`, called in this process by a test that logs in-process,
-    also sets MLFLOW_TRACKING_URI in the environment, which every later subprocess would
-    inherit and log into (the order of tests differs between runs): each test starts
-    without it."""
+    """A developer's MLFLOW_TRACKING_URI or MLFLOW_RUN_ID would send every launch of the
+    tests into their store or run: each test starts without them."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
 

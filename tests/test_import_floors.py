@@ -35,7 +35,8 @@ FLOOR_0 = ("gridwright.atomic_io", "gridwright.config.schema", "gridwright.confi
            "gridwright.families.qwen3", "gridwright.families.qwen3_moe", "gridwright.engines.protocol",
            "gridwright.engines.registry", "gridwright.engines.timeouts", "gridwright.engines.zero_settings",
            "gridwright.runtime.heartbeat", "gridwright.runtime.jobdir", "gridwright.runtime.known_warnings",
-           "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.runtime.outcome", "gridwright.tracking.run_owner",
+           "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.runtime.outcome",
+           "gridwright.runtime.metric_sinks", "gridwright.tracking.run_owner",
            "gridwright.tracking.store", "gridwright.tracking.sweep_report")
 FLOOR_2 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
 # Inside gridwright.engines, what validation and planning read without loading an engine.
@@ -243,3 +244,36 @@ def test_the_branch_search_finds_a_branch(tmp_path):
                      'tags = {"engine": cfg.engine.name}\nok = cfg.engine.name in ENGINES\n')
     assert engine_branches(probe) == ['probe.py:1: if cfg.engine.name == "deepspeed":',
                                       'probe.py:5: ok = cfg.engine.name in ENGINES']
+
+
+# MLflow's calls that start or end a run's life.
+RUN_LIFECYCLE = {"create_run", "set_terminated", "update_run", "start_run", "end_run"}
+# gridwright's own: the job's run is opened and closed by its owner, node 0's agent.
+OWNER_CALLS = {"open_run", "close_run"}
+
+
+def calls_named(path: Path, names: set[str]) -> list[str]:
+    """`x.name(...)` and `name(...)` calls of any of `names` in a module's code."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            called = getattr(node.func, "attr", getattr(node.func, "id", None))
+            if called in names:
+                found.append(f"{path.name}:{node.lineno}: {called}")
+    return found
+
+
+def test_one_module_opens_and_closes_mlflow_runs():
+    """MLflow's run lifecycle is called from gridwright.tracking.mlflow_runs only, and its
+    open_run/close_run from the job's owner only (the agent): no second place decides when
+    a job's run starts or ends."""
+    lifecycle = {name: calls_named(path, RUN_LIFECYCLE) for name, path in modules().items()}
+    assert {n for n, found in lifecycle.items() if found} == {"gridwright.tracking.mlflow_runs"}, lifecycle
+    owners = {name for name, path in modules().items() if calls_named(path, OWNER_CALLS)}
+    assert owners == {"gridwright.tracking.mlflow_runs", "gridwright.launchers.agent"}, owners
+
+
+def test_the_call_search_finds_a_call(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("client.set_terminated(run_id)\nopen_run(cfg, job_dir)\nprint('create_run')\n")
+    assert calls_named(probe, RUN_LIFECYCLE | OWNER_CALLS) == ["probe.py:1: set_terminated", "probe.py:2: open_run"]

@@ -29,3 +29,18 @@ def test_wheel_installs_and_plans_from_anywhere(tmp_path):
         assert "launcher=plan: nothing started." in r.stdout
     assert {p.name for p in (away / "jobs").iterdir()} == {"mixtral_ep8", "llama3_8b"}
     assert list((away / "jobs" / "mixtral_ep8").glob("*/plan.json"))
+
+
+def test_ci_runs_the_readmes_test_command():
+    """CI must run exactly what the README's quick start tells a developer to run, and a
+    failing tier must fail CI: the command is the last line of .ci/run, which sets -e."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    quick_start = readme.split("```bash", 1)[1].split("```", 1)[0]  # the first block: the quick start
+    commands = [re.split(r"\s+#\s", line)[0].strip() for line in quick_start.strip().splitlines()]
+    assert len(commands) == 2, commands  # one runs the main job, one the tests
+    test_command = commands[1]
+    assert test_command.startswith("python -m pytest") and '-m "not slow"' in test_command and "-m slow" in test_command
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1].strip() == test_command and "set -euo pipefail" in ci

@@ -195,7 +195,7 @@ def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(
 
 
 def torchrun_job(tmp_path: Path) -> tuple[Path, str]:
-    """A one-node job emitted as a torchrun line: its logging rank opens the MLflow run."""
+    """A one-node job emitted as a torchrun line: its (node-0) agent opens the MLflow run."""
     from gridwright.launchers.local import free_port
 
     port = free_port()
@@ -208,10 +208,15 @@ def torchrun_job(tmp_path: Path) -> tuple[Path, str]:
     return tmp_path / "job", line
 
 
-@pytest.mark.parametrize("what", ["logging rank", "everything at once"])
+def logging_rank(tree) -> psutil.Process:
+    return next(p for p in workers_of(tree) if p.environ().get("RANK") == "0")
+
+
+@pytest.mark.parametrize("what", ["logging rank", "agent", "everything at once"])
 def test_a_dead_owner_is_found_and_its_run_closed(tmp_path, what):
-    """On torchrun and Slurm the logging rank keeps the run open. Killed, its agent closes
-    the run; everything killed at once, the next look at the job directory (sync) does."""
+    """Node 0's agent keeps the run open, on every launcher. The logging rank killed, the
+    agent closes the run as failed; the agent killed (its workers die with it), or
+    everything at once, the next look at the job directory (sync) closes it."""
     job, line = torchrun_job(tmp_path)
     proc = subprocess.Popen(["bash", "-c", line], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -219,16 +224,18 @@ def test_a_dead_owner_is_found_and_its_run_closed(tmp_path, what):
     root = psutil.Process(proc.pid)
     tree = [root, *root.children(recursive=True)]
     owner = json.loads((job / "run_owner.json").read_text())
-    assert owner["pid"] in {p.pid for p in workers_of(tree)}
+    agent = psutil.Process(owner["pid"])
+    assert "gridwright.launchers.agent" in cmdline(agent)
     if what == "logging rank":
-        psutil.Process(owner["pid"]).kill()
-        proc.communicate(timeout=120)
+        logging_rank(tree).kill()
+        out, _ = proc.communicate(timeout=120)
         assert_all_gone(tree, within=10)
         _, run = mlflow_run(tmp_path)
         assert run.info.status == "FAILED", run.data.tags
-        assert f"pid {owner['pid']} on {owner['host']}, which kept this run open" in run.data.tags["gridwright.error"]
+        assert "exit code" in run.data.tags["gridwright.error"], run.data.tags
+        assert f"mlflow      run {run.info.run_id} (FAILED)" in out  # the agent said where to see it
         return
-    for p in tree:
+    for p in [agent] if what == "agent" else tree:
         p.kill()
     assert_all_gone(tree, within=10)
     proc.communicate()
@@ -238,3 +245,4 @@ def test_a_dead_owner_is_found_and_its_run_closed(tmp_path, what):
     assert synced.returncode == 0, synced.stderr[-2000:]
     _, run = mlflow_run(tmp_path)
     assert run.info.status == "KILLED" and run.data.tags["gridwright.status"] == "killed"
+    assert f"pid {owner['pid']} on {owner['host']}, which kept this run open" in run.data.tags["gridwright.error"]

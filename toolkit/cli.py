@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
@@ -124,7 +123,7 @@ def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
         for note in composition_notes(cfg):
             print(f"note: {note}", file=sys.stderr)
         return Outcome.invalid(getattr(e, "problems", None) or [e])
-    idle = nothing_to_resume(cfg) if cfg.launcher.name == "local" else None
+    idle = nothing_to_resume(cfg.checkpoint, cfg.train) if cfg.launcher.name == "local" else None
     if idle:
         print(idle)
         return Outcome("idle")
@@ -132,7 +131,8 @@ def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
         print(f"rerun       {job_dir} holds this job already: running it again (it resumes from the newest "
               "checkpoint in checkpoint.save, into its MLflow run)", flush=True)
     else:
-        create_job_dir(cfg, plan.placement, job_dir, point.job_point if point else None)
+        create_job_dir(cfg, plan.placement, job_dir, point.job_point if point else None,
+                       run_tags=point.run_tags if point else None, run_name_suffix=point.name_suffix if point else "")
     write_text_atomic(job_dir / PLAN_FILE, json.dumps(plan.record(), indent=1))
     print(plan_text(cfg, plan, job_dir), flush=True)
 
@@ -153,7 +153,7 @@ def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
         path = emit_slurm(cfg, job_dir)
         print(f"wrote {path}; submit it with: sbatch {shlex.quote(str(path))}")
         return Outcome("planned", job_dir=job_dir)
-    return run_locally(cfg, plan.layout, job_dir, point)
+    return run_locally(cfg, job_dir)
 
 
 def emitted_script_problem(cfg, job_dir) -> str | None:
@@ -173,31 +173,28 @@ def emitted_script_problem(cfg, job_dir) -> str | None:
     return None
 
 
-def run_locally(cfg, layout, job_dir, point: SweepContext | None) -> Outcome:
+def run_locally(cfg, job_dir) -> Outcome:
+    """Run the job here. Its MLflow run is the agent's: opened before the workers start,
+    closed after they end. Only an agent killed outright leaves it RUNNING; its run is then
+    closed here, as any later look at the job directory would (run_owner)."""
     from gridwright.launchers.local import run_local
 
-    env, run_id = {}, None
-    if cfg.tracking.enabled:
-        from .tracking import mlflow_runs as tracking
-
-        run_id = tracking.open_run(cfg, job_dir, layout, tags=point.run_tags if point else None,
-                                   name_suffix=point.name_suffix if point else "")
-        env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": tracking.tracking_uri(cfg)}
-        print(f"mlflow      run {run_id} in {env['MLFLOW_TRACKING_URI']}", flush=True)
-    started = time.time()
-    code, stopped_by = run_local(cfg, job_dir, env)
+    code, stopped_by = run_local(cfg, job_dir, {})
     stopped_by = stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
     # A negative code: the agent itself was killed by that signal.
     status = "killed" if stopped_by or code < 0 else ("finished" if code == 0 else "failed")
-    if run_id is not None:
-        from gridwright.launchers.watchdog import hang_summary
+    run_id = None
+    if cfg.tracking.enabled:
+        from .tracking import mlflow_runs as tracking
+        from .tracking.run_owner import owner
 
-        try:
-            tracking.close_run(cfg, run_id, status, job_dir=job_dir, error=None if code == 0 else
-                               hang_summary(job_dir, since=started) or f"the agent exited with code {code}")
-            print("\n".join(tracking.where_to_see(env["MLFLOW_TRACKING_URI"], run_id)), flush=True)
-        except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
-            print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))
+        run_id = owner(job_dir).get("run_id")
+        if code < 0:
+            try:
+                if tracking.close_orphaned_run(cfg, job_dir, status, error=f"the agent was killed by signal {-code}"):
+                    print("\n".join(tracking.where_to_see(tracking.tracking_uri(cfg.tracking), run_id)), flush=True)
+            except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
+                print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))
     elif code == 0 and not stopped_by:
         print(f"mlflow      off (tracking=off); log the run later with: python -m gridwright.tracking.sync {job_dir}")
     if stopped_by:

@@ -31,6 +31,9 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 RANKS_DIR = "ranks"
 JOB_FILE = "job.json"  # the job's stable id and creation time
+# job.json's keys for the job's MLflow run: tags and what its name adds (a sweep point's).
+RUN_TAGS_KEY, RUN_NAME_SUFFIX_KEY = "mlflow_run_tags", "mlflow_run_name_suffix"
+FAILURE_FILE = "failure.json"  # why the logging rank's training failed (the agent tags the run with it)
 PLAN_FILE = "plan.json"  # FLOPs per token, peak, parameters, memory estimate (written at planning)
 SWEEP_FILE = "sweep.json"
 SWEEPS_DIR = "sweeps"
@@ -66,9 +69,9 @@ def planned_job_dir(cfg, point: SweepPoint | None = None) -> Path:
     return (Path(cfg.job_root) / cfg.name / _fresh_name()).resolve()
 
 
-def create_sweep_dir(cfg) -> Path:
+def create_sweep_dir(job_root: str, experiment: str) -> Path:
     """A new directory `job_root/sweeps/<experiment>/<time>-<id>/` for one `-m` sweep."""
-    path = (Path(cfg.job_root) / SWEEPS_DIR / cfg.name / _fresh_name()).resolve()
+    path = (Path(job_root) / SWEEPS_DIR / experiment / _fresh_name()).resolve()
     path.mkdir(parents=True)  # fails if it exists
     return path
 
@@ -90,19 +93,23 @@ def same_job(cfg, path: Path) -> bool:
         return False
 
 
-def create_job_dir(cfg, placement: Placement, path: Path, point: SweepPoint | None = None) -> Path:
-    """Create `path` (failing if it exists) and write the config and placement into it."""
+def create_job_dir(cfg, placement: Placement, path: Path, point: SweepPoint | None = None,
+                   run_tags: dict[str, str] | None = None, run_name_suffix: str = "") -> Path:
+    """Create `path` (failing if it exists) and write the config and placement into it;
+    `run_tags` and `run_name_suffix` are for the job's MLflow run (a sweep point's nest it
+    under the sweep's run), which the node-0 agent opens."""
     check_job_dir_free(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.mkdir(path)  # atomic: fails if another process created it first
     write_text_atomic(path / CONFIG_FILE, OmegaConf.to_yaml(cfg))
     write_text_atomic(path / PLACEMENT_JSON, placement.to_json())
     write_text_atomic(path / PLACEMENT_CSV, placement.to_csv())
-    _write_job_record(path, point)
+    _write_job_record(path, point, run_tags, run_name_suffix)
     return path
 
 
-def _write_job_record(path: Path, point: SweepPoint | None = None) -> dict:
+def _write_job_record(path: Path, point: SweepPoint | None = None, run_tags: dict | None = None,
+                      run_name_suffix: str = "") -> dict:
     now = time.time()
     record = {
         "job_id": uuid.uuid4().hex,
@@ -111,6 +118,10 @@ def _write_job_record(path: Path, point: SweepPoint | None = None) -> dict:
     }
     if point is not None:
         record["sweep_point"] = point.num
+    if run_tags:
+        record[RUN_TAGS_KEY] = dict(run_tags)
+    if run_name_suffix:
+        record[RUN_NAME_SUFFIX_KEY] = run_name_suffix
     write_text_atomic(path / JOB_FILE, json.dumps(record, indent=1))
     return record
 

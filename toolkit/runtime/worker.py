@@ -1,8 +1,9 @@
 """One training process, started by torchrun: `python -m gridwright.runtime.worker --job-dir DIR`.
 
 Reads the job's composed config, checks that the process groups Megatron-Core builds
-are the placement that was printed, trains, and (on the one logging rank) writes
-metrics to `metrics.jsonl` and MLflow.
+are the placement that was printed, trains, and (on the one logging rank) writes each
+step's metrics to its sinks (gridwright.runtime.metric_sinks): `metrics.jsonl`, the
+terminal, and the MLflow run node 0's agent opened.
 
 Its life around training: it dies with its agent; SIGTERM/SIGINT stop it after the
 current step (with a checkpoint when `checkpoint.save` is set); a job directory that has
@@ -22,8 +23,9 @@ from pathlib import Path
 from ..atomic_io import write_text_atomic
 from ..checkpoints.checkpoint_dir import hold_writer_lock, latest_checkpoint
 from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
-from .jobdir import (METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
+from .jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
+from .metric_sinks import JsonlSink, MetricsSink, TerminalSink
 from .known_warnings import filter_known_warnings
 from ..planning.layout import ParallelLayout
 from ..planning.disk_space import DiskFull
@@ -53,7 +55,8 @@ def placement_mismatches(planned: dict, observed: dict) -> list[str]:
 
 
 class Reporter:
-    """Per-step output of the logging rank: metrics.jsonl, MLflow, and the terminal."""
+    """The logging rank's record of the run: each step to every sink (metrics.jsonl, the
+    terminal, the agent's MLflow run), and the summary at the end."""
 
     def __init__(self, cfg, job_dir: Path, layout: ParallelLayout):
         self.cfg, self.job_dir = cfg, job_dir
@@ -61,48 +64,29 @@ class Reporter:
         self.history: list[dict] = []
         # Steps an earlier attempt of this job recorded (a restart resumes from a checkpoint
         # and repeats the steps after it exactly).
-        self.recorded_before = read_metrics(job_dir)
-        self.in_mlflow: set[int] = set()  # MLflow keeps every value: a step it holds is not logged again
+        recorded_before = read_metrics(job_dir)
+        self.recorded_before = recorded_before
         self.first_step: int | None = None
-        self.mlflow = None
-        # A launching process that opened the run (local launcher) also logs the results
-        # when it closes it; a run opened here (torchrun/Slurm) gets them from this rank.
-        self.opened_run_here = False
-        if cfg.tracking.enabled:
+        self.sinks: list[MetricsSink] = [
+            JsonlSink(job_dir, recorded_before),
+            TerminalSink(cfg.train.log_interval, cfg.train.steps - 1, self.metrics.record["flops_definition"])]
+        run_id = os.environ.get("MLFLOW_RUN_ID")  # the agent's run of this job (none with tracking off)
+        if cfg.tracking.enabled and run_id:
             from ..tracking import mlflow_runs as tracking
 
             try:
-                run_id = os.environ.get("MLFLOW_RUN_ID")
-                if not run_id:
-                    run_id, self.opened_run_here = tracking.open_run(cfg, job_dir, layout), True
-                self.mlflow = tracking.MetricsLogger(cfg, run_id, job_dir)
-                if self.recorded_before:  # asked of MLflow: the file may hold a step MLflow missed
-                    self.in_mlflow = self.mlflow.logged_steps("loss")
+                self.sinks.append(tracking.MetricsLogger(cfg.tracking, run_id, job_dir, skip_logged=bool(recorded_before)))
             except Exception as e:  # noqa: BLE001 - tracking never stops training
-                print(tracking.tracking_failure_line("opening the run", tracking.one_line(e), job_dir),
-                      flush=True)
-                self.mlflow, self.opened_run_here = None, False
+                print(tracking.tracking_failure_line("reaching the run", tracking.one_line(e), job_dir), flush=True)
 
     def on_step(self, step: int, raw: dict) -> None:
         if self.first_step is None:  # keep what earlier attempts recorded before this step
             self.first_step = step
             self.history = [r for r in self.recorded_before if r["step"] < step]
-            write_text_atomic(self.job_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.history))
         m = self.metrics.derive(raw)
-        record = {"step": step, **m}
-        self.history.append(record)
-        with open(self.job_dir / METRICS_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.mlflow is not None and step not in self.in_mlflow:
-            self.mlflow.log(step, m)
-        if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps - 1:
-            mfu = f" mfu {m['mfu']:.1%} ({self.metrics.record['flops_definition']})" if "mfu" in m else ""
-            mfu += f" val_loss {m['val_loss']:.4f}" if "val_loss" in m else ""
-            print(
-                f"step {step:>5} loss {m['loss']:.4f} lr {m['lr']:.2e} {m['step_time_s'] * 1e3:.0f} ms "
-                f"{m['tokens_per_s_per_gpu']:.0f} tok/s/gpu{mfu}",
-                flush=True,
-            )
+        self.history.append({"step": step, **m})
+        for sink in self.sinks:
+            sink.write(step, m)
 
     def _memory_peaks(self) -> dict:
         """The highest peak over every rank (each leaves a record), and which rank it was."""
@@ -119,7 +103,6 @@ class Reporter:
 
     def finish(self, extra: dict) -> None:
         if not self.history:  # resumed at the last step: nothing ran
-            self.close("finished")
             return
         # The first step includes warm-up; traced steps carry the profiler's overhead.
         window = self.cfg.evaluate.profile_steps
@@ -146,21 +129,10 @@ class Reporter:
             summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
         print("\n".join(summary_lines(summary, self.cfg)), flush=True)
-        self.close("killed" if summary.get("stopped_by_signal") else "finished")
 
-    def close(self, status: str, error: str | None = None) -> None:
-        """End the MLflow run this rank opened (torchrun, Slurm); the local launcher ends its own."""
-        if self.mlflow is None or not self.opened_run_here:
-            return
-        from ..tracking import mlflow_runs as tracking
-
-        self.opened_run_here = False
-        try:
-            tracking.close_run(self.cfg, self.mlflow.run_id, status, self.job_dir, error=error)
-            print("\n".join(tracking.where_to_see(tracking.tracking_uri(self.cfg), self.mlflow.run_id)), flush=True)
-        except Exception as e:  # noqa: BLE001 - the job directory is the record
-            print(tracking.tracking_failure_line("closing the run", tracking.one_line(e), self.job_dir),
-                  flush=True)
+    def fail(self, error: str) -> None:
+        """Leave why training failed where the agent, which closes the run, reads it."""
+        write_text_atomic(self.job_dir / FAILURE_FILE, json.dumps({"error": error}))
 
 
 def has_run_before(job_dir: Path) -> bool:
@@ -169,10 +141,10 @@ def has_run_before(job_dir: Path) -> bool:
     return (job_dir / RANKS_DIR).is_dir() or (job_dir / METRICS_FILE).is_file()
 
 
-def resume_point(cfg, job_dir: Path) -> str | None:
+def resume_point(checkpoint, job_dir: Path) -> str | None:
     """For a job that ran before: the checkpoint root to resume from (checkpoint.save,
     when it holds a checkpoint), else None (it starts over, or loads checkpoint.load)."""
-    ck = cfg.checkpoint
+    ck = checkpoint
     if not ck.save or not has_run_before(job_dir):
         return None
     try:
@@ -245,7 +217,7 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     from ..config.validation import fp8_machine_problems, torch_native_machine_problems
 
     te = cfg.cluster.device == "cuda" and transformer_engine_available()
-    problems = fp8_machine_problems(cfg, te) + torch_native_machine_problems(cfg, te)
+    problems = fp8_machine_problems(cfg, te) + torch_native_machine_problems(cfg.engine, cfg.parallel, te)
     if problems:
         raise RuntimeError(" ".join(problems))
 
@@ -262,7 +234,7 @@ def train(job_dir: Path) -> int:
     planned = json.loads((job_dir / PLACEMENT_JSON).read_text())
     state = {}
     rank = int(os.environ.get("RANK", "0"))
-    resume_from = resume_point(cfg, job_dir)
+    resume_from = resume_point(cfg.checkpoint, job_dir)
     if resume_from:
         cfg.checkpoint.load, cfg.checkpoint.weights_only = resume_from, False
         if rank == 0:
@@ -289,8 +261,8 @@ def train(job_dir: Path) -> int:
     try:
         engine_facts = run_training(cfg, layout, on_step, on_start, job_dir=job_dir, stop=stop, progress=heartbeat)
     except BaseException as e:
-        if "reporter" in state:
-            state["reporter"].close("killed" if stop.signal else "failed", error=f"{type(e).__name__}: {e}")
+        if "reporter" in state and not stop.signal:
+            state["reporter"].fail(f"{type(e).__name__}: {e}")
         raise
     if "reporter" in state:
         extra = {"layer_spec": state["spec"], "placement_verified": True, **engine_facts}

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..runtime.jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE,
-                     job_record, load_job_config, read_json, read_metrics)
+from ..runtime.jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR,
+                              RUN_NAME_SUFFIX_KEY, RUN_TAGS_KEY, SUMMARY_FILE, job_record, load_job_config, read_json,
+                              read_metrics)
 from ..planning.layout import ParallelLayout
 from ..runtime.profiling import TRACES_DIR
 from . import run_owner
@@ -78,12 +79,10 @@ def _store_setup_lock(uri: str):
 def client_for(uri: str):
     """A client of the store at `uri`; a new local store is set up (MLflow's schema
     migration) by one process at a time."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     bound_http_waits()
     quiet_store_errors()
-    mlflow.set_tracking_uri(uri)
     with _store_setup_lock(uri):
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)  # sets the store up now, inside the lock
@@ -258,7 +257,7 @@ def last_write_ms(job_dir: Path) -> int:
     return int(1000 * max(times, default=time.time()))
 
 
-def job_outcome(cfg, job_dir: Path) -> str:
+def job_outcome(launcher, job_dir: Path) -> str:
     """What a job directory shows: finished (it left a summary), killed (its summary says
     a signal stopped it), planned (nothing has run: a plan, or a torchrun/Slurm job not
     run yet), else failed."""
@@ -266,7 +265,7 @@ def job_outcome(cfg, job_dir: Path) -> str:
     if summary:
         return "killed" if summary.get("stopped_by_signal") else "finished"
     ran = (job_dir / METRICS_FILE).is_file() or (job_dir / RANKS_DIR).is_dir()
-    return "planned" if not ran and cfg.launcher.name != "local" else "failed"
+    return "planned" if not ran and launcher.name != "local" else "failed"
 
 
 def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -> None:
@@ -297,7 +296,7 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
     job_dir = Path(job_dir).resolve()
     record = job_record(job_dir)
     cfg = load_job_config(job_dir)
-    outcome = job_outcome(cfg, job_dir)
+    outcome = job_outcome(cfg.launcher, job_dir)
     status = outcome if status in (None, "planned") else status
     existing = find_run(client, exp_id, JOB_ID_TAG, record["job_id"])
     if existing is not None and existing.info.status == "RUNNING":
@@ -316,15 +315,19 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
 
 
 # Live runs -----------------------------------------------------------------
-def open_run(cfg, job_dir: Path, layout, tags: dict | None = None, name_suffix: str = "") -> str:
-    """The MLflow run of a job about to start, kept open by this process (run_owner).
-    A new run gets params, tags, config, placement and plan artifacts (`tags` may nest it
-    under a sweep's run); a job that ran before (a restart, a requeue, a re-run of its
+def open_run(cfg, job_dir: Path) -> str:
+    """The MLflow run of a job about to start, kept open by this process (run_owner: the
+    node-0 agent). A new run gets params, tags, config, placement and plan artifacts, and
+    the tags and name suffix its job directory was created with (a sweep point's nest it
+    under the sweep's run); a job that ran before (a restart, a requeue, a re-run of its
     job directory) gets its own run back, RUNNING again. Returns its id."""
-    uri = tracking_uri(cfg)
+    job = job_record(Path(job_dir))
+    tags, name_suffix = job.get(RUN_TAGS_KEY), job.get(RUN_NAME_SUFFIX_KEY, "")
+    layout = ParallelLayout.from_config(cfg)
+    uri = tracking_uri(cfg.tracking)
     client = client_for(uri)
     exp_id = experiment_id(client, cfg.tracking.experiment, uri)
-    existing = find_run(client, exp_id, JOB_ID_TAG, job_record(Path(job_dir))["job_id"])
+    existing = find_run(client, exp_id, JOB_ID_TAG, job["job_id"])
     if existing is not None:
         run_id = existing.info.run_id
         client.update_run(run_id, status="RUNNING")
@@ -336,25 +339,29 @@ def open_run(cfg, job_dir: Path, layout, tags: dict | None = None, name_suffix: 
 
 
 class MetricsLogger:
-    """Logs one step's metrics to an open MLflow run (used by the logging rank).
+    """The MLflow sink of the logging rank's step metrics (gridwright.runtime.metric_sinks),
+    writing into the run the agent opened.
 
     Tracking never stops training: the first failure (a store gone, a server down) is
     reported once and logging stops; the job directory holds every metric, and `python -m
-    gridwright.tracking.sync DIR` catches MLflow up later."""
+    gridwright.tracking.sync DIR` catches MLflow up later. `skip_logged`: a restarted job
+    repeats steps the run already holds (MLflow keeps every value), which are not logged
+    again."""
 
-    def __init__(self, cfg, run_id: str, job_dir: Path | None = None):
+    def __init__(self, tracking, run_id: str, job_dir: Path | None = None, skip_logged: bool = False):
         from mlflow.tracking import MlflowClient
 
         bound_http_waits()
         quiet_store_errors()
-        self.client = MlflowClient(tracking_uri(cfg))
+        self.client = MlflowClient(tracking_uri(tracking))
         self.run_id, self.job_dir = run_id, job_dir
         self.failed: str | None = None
+        self.logged = self.logged_steps("loss") if skip_logged else set()
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
-        if self.failed:
+        if self.failed or step in self.logged:
             return
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
@@ -363,9 +370,6 @@ class MetricsLogger:
         except Exception as e:  # noqa: BLE001 - any failure of the store: training goes on
             self.failed = one_line(e)
             print(tracking_failure_line(f"logging step {step}", self.failed, self.job_dir), flush=True)
-
-    def set_tag(self, key: str, value: str) -> None:
-        self.client.set_tag(self.run_id, key, value)
 
     def logged_steps(self, key: str) -> set[int]:
         """The steps at which the run holds a value of `key`."""
@@ -395,10 +399,10 @@ def quiet_store_errors() -> None:
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
-def close_run(cfg, run_id: str, status: str, job_dir: Path | None = None, error: str | None = None) -> None:
+def close_run(tracking, run_id: str, status: str, job_dir: Path | None = None, error: str | None = None) -> None:
     """End a live run as finished, failed or killed; with `job_dir`, first log what the
     run left there (as sync would)."""
-    client = client_for(tracking_uri(cfg))
+    client = client_for(tracking_uri(tracking))
     if job_dir is not None:
         log_job_results(client, run_id, Path(job_dir), step_metrics=False)
     client.set_tag(run_id, STATUS_TAG, status)
@@ -414,16 +418,16 @@ def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None
     owner = run_owner.owner(job_dir)
     if not owner or run_owner.owner_gone(owner) is not True:
         return None
-    client = client_for(tracking_uri(cfg))
+    client = client_for(tracking_uri(cfg.tracking))
     try:
         run = client.get_run(owner["run_id"])
     except Exception:  # noqa: BLE001 - a store that lost the run: nothing to close
         return None
     if run.info.status != "RUNNING":
         return None
-    if job_outcome(cfg, Path(job_dir)) == "finished":
+    if job_outcome(cfg.launcher, Path(job_dir)) == "finished":
         status = "finished"  # the owner died after the run's last write
-    close_run(cfg, run.info.run_id, status, job_dir,
+    close_run(cfg.tracking, run.info.run_id, status, job_dir,
               error=None if status == "finished" else error or
               f"pid {owner['pid']} on {owner['host']}, which kept this run open, ended without closing it")
     return run.info.run_id

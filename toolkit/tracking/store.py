@@ -26,9 +26,9 @@ def absolute_uri(uri: str) -> str:
     return uri
 
 
-def tracking_uri(cfg) -> str:
-    """MLFLOW_TRACKING_URI wins (a remote server); else the configured store, made absolute."""
-    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.uri)
+def tracking_uri(tracking) -> str:
+    """MLFLOW_TRACKING_URI wins (a remote server); else the tracking group's store, made absolute."""
+    return absolute_uri(os.environ.get("MLFLOW_TRACKING_URI") or tracking.uri)
 
 
 def bound_http_waits() -> None:

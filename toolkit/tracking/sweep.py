@@ -90,7 +90,7 @@ class ActiveSweep:
         self.point_started_ms = 0  # when the point running now started
         self.client = self.exp_id = self.parent_run_id = None
         if cfg.tracking.enabled:
-            uri = tracking.tracking_uri(cfg)
+            uri = tracking.tracking_uri(cfg.tracking)
             try:
                 client = tracking.client_for(uri)
                 self.exp_id = tracking.experiment_id(client, cfg.tracking.experiment, uri)
@@ -183,7 +183,7 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         cfg = strip_hydra(config)
         overrides = [str(o) for o in config.hydra.overrides.task]
-        sweep_dir = create_sweep_dir(cfg)
+        sweep_dir = create_sweep_dir(cfg.job_root, cfg.name)
         swept = swept_keys(overrides)
         varied = [o for o in overrides if override_key(o) in swept]
         record = SweepRecord(
@@ -205,7 +205,7 @@ class SweepCallback(Callback):
         record.save(sweep_dir)
         print(f"sweep dir   {sweep_dir}", flush=True)
         if self.sweep.parent_run_id:
-            print(f"mlflow      sweep run {self.sweep.parent_run_id} in {tracking.tracking_uri(cfg)}", flush=True)
+            print(f"mlflow      sweep run {self.sweep.parent_run_id} in {tracking.tracking_uri(cfg.tracking)}", flush=True)
 
     def on_job_start(self, config, **kwargs) -> None:
         if self.sweep is not None:

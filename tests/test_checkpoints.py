@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, launch, sigkill_after_save
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def losses(job_dir: Path) -> dict[int, float]:
     rows = [json.loads(l) for l in (job_dir / "metrics.jsonl").read_text().splitlines()]

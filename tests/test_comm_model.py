@@ -295,6 +295,7 @@ def test_benchmark_group_plans():
     assert ("cp",) not in parts and ("ep",) not in parts  # groups of one rank
 
 
+@pytest.mark.slow
 def test_benchmark_runs_on_two_cpu_processes(tmp_path):
     out = tmp_path / "profile.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}

@@ -62,6 +62,7 @@ ACROSS_PROCESSES = [
 
 
 # An architecture checked across processes is not checked again in one (the suite's time).
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [k for k in ARCHITECTURES if k not in {c[0] for c in ACROSS_PROCESSES}])
 def test_logits_match_at_tp1(kind, models, converted):
     r = compare_logits(models[kind], converted[kind])
@@ -70,6 +71,7 @@ def test_logits_match_at_tp1(kind, models, converted):
     assert r["max_abs_diff"] <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,tp,pp,vpp,ep", ACROSS_PROCESSES)
 def test_logits_match_across_processes(kind, tp, pp, vpp, ep, models, converted):
     r = compare_logits(models[kind], converted[kind], tp=tp, pp=pp, vpp=vpp, ep=ep)
@@ -78,6 +80,7 @@ def test_logits_match_across_processes(kind, tp, pp, vpp, ep, models, converted)
     assert r["max_abs_diff"] <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_gate_catches_a_wrong_mapping(models, tmp_path):
     """k and v swapped (same shapes, so only the logits can tell): the gate fails loudly."""
     bad = tmp_path / "swapped"
@@ -170,6 +173,7 @@ def test_exported_folder_loads_with_from_pretrained(models, converted, tmp_path)
     assert torch.equal(hf_logits(back, tokens), hf_logits(models["mixtral"], tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experiment,saved", [("tiny_llama_tp2", "tp"), ("tiny_mixtral_cpu", "ep")])
 def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launch, tmp_path):
     """A checkpoint the engine saved at TP=2 or EP=2 (tensors stored in parts by several
@@ -207,6 +211,7 @@ def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launc
         assert not any(p.name.startswith((".hf_strict", "hf_strict")) for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_engine_trains_from_a_converted_checkpoint(converted, run_launch, tmp_path):
     """A converted Qwen3 (QK-norm, head size apart from hidden / heads) trains at TP=2+SP."""
     root = converted["qwen3"]
@@ -330,6 +335,7 @@ def test_checkpoint_without_model_config_needs_one(converted, tmp_path, capsys):
     assert convert_main(args + ["--model-config", str(ckpt / "model" / "llama.yaml")]) == 0
 
 
+@pytest.mark.slow
 def test_command_line_with_verify(models, tmp_path):
     """The documented command, end to end in a subprocess, with --verify at TP=2 + PP=2."""
     out = tmp_path / "m"

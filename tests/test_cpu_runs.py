@@ -8,6 +8,8 @@ import json
 import pytest
 from conftest import only_job_dir
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 8
 
 

@@ -66,6 +66,7 @@ def test_prepare_with_a_local_hugging_face_tokenizer(tmp_path):
     assert info["eod"] == 1 and info["vocab_size"] <= 80 and info["documents"] == 5
 
 
+@pytest.mark.slow
 def test_train_on_blended_indexed_data_with_validation_and_exact_resume(run_launch, tmp_path):
     for name, seed in (("a", 0), ("b", 1)):
         prepare([write_jsonl(tmp_path / f"{name}.jsonl", 300, seed)], tmp_path / name, "byte")

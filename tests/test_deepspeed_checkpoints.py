@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, launch, sigkill_after_save
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 DS = ["engine=deepspeed", "tracking=off", "train.warmup_steps=1"]
 
 

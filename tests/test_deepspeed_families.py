@@ -25,6 +25,7 @@ def start(request, tmp_path_factory):
     return megatron_run_from_hf(tmp_path_factory.mktemp(family), family, *FAMILIES[family], f"train.steps={STEPS}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_each_family_follows_the_megatron_engine_step_by_step_and_learns(start, stage):
     want_loss, want_norm = start[3]

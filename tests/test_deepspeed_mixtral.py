@@ -5,6 +5,8 @@ file so that pytest's workers run it beside the dense parity tests."""
 import pytest
 from test_deepspeed_runs import deepspeed_run_from_hf, megatron_run_from_hf
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):

@@ -5,6 +5,8 @@ Adam (`cpu_adam`, compiled on first use: about 1-3 minutes on 2 cores, once per 
 import pytest
 from test_deepspeed_runs import deepspeed_run_from_hf, megatron_run_from_hf
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory):

@@ -13,6 +13,8 @@ from test_deepspeed_runs import deepspeed_run_from_hf, megatron_run_from_hf
 
 from gridwright.planning.machine_probe import cpu_fp16_supported
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture(scope="module", params=["bf16", "fp16"])
 def start(request, tmp_path_factory):

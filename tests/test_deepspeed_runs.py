@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import launch
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 20
 
 

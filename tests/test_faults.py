@@ -29,6 +29,7 @@ def one_error_line(result) -> str:
     return result.stderr
 
 
+@pytest.mark.slow
 def test_local_rendezvous_and_gloo_listen_on_loopback_only(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"job_dir={tmp_path / 'job'}", "tracking=off",
@@ -55,6 +56,7 @@ def train(tmp_path: Path, name: str, *args):
     return result
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_refused_or_skipped(tmp_path):
     ck = tmp_path / "ck"
     train(tmp_path, "first", "train.steps=4", f"checkpoint.save={ck}", "checkpoint.save_interval=2")
@@ -78,6 +80,7 @@ def test_a_damaged_latest_checkpoint_is_refused_or_skipped(tmp_path):
     assert "metadata.json is unreadable" in err and "No intact checkpoint is left beside it" in err
 
 
+@pytest.mark.slow
 def test_one_writer_per_checkpoint_directory(tmp_path):
     ck = tmp_path / "ck"
     # The holder forks a child that outlives it, as a killed worker's checkpoint helpers do.
@@ -132,6 +135,7 @@ def read_only_mount(path: Path):
         subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.slow
 def test_outputs_on_a_read_only_file_system_are_one_line(tmp_path):
     with read_only_mount(tmp_path / "ro") as ro:
         err = one_error_line(launch(tmp_path, "tracking=off", f"job_root={ro / 'jobs'}"))
@@ -144,6 +148,7 @@ def test_outputs_on_a_read_only_file_system_are_one_line(tmp_path):
         assert result.stderr.strip() == f"error: cannot write --out {ro / 'ck'}: {ro} is on a read-only file system."
 
 
+@pytest.mark.slow
 def test_two_first_runs_at_once_share_a_fresh_store(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     cmd = [sys.executable, str(REPO / "launch.py"), f"tracking.uri=sqlite:///{tmp_path / 'fresh.db'}",
@@ -175,6 +180,7 @@ def test_bad_input_is_one_clear_line(tmp_path, args, expected):
     assert not (tmp_path / "jobs").exists()
 
 
+@pytest.mark.slow
 def test_a_config_dir_overrides_the_packaged_configs(tmp_path):
     (tmp_path / "conf" / "model").mkdir(parents=True)
     packaged = (REPO / "conf" / "model" / "tiny_llama.yaml").read_text()

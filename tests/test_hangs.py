@@ -15,8 +15,10 @@ import psutil
 from conftest import REPO
 
 from gridwright.engines.timeouts import collective_timeout
+import pytest
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_stops_the_job_within_the_bound(tmp_path):
     job, store = tmp_path / "job", f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}

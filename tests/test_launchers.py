@@ -104,6 +104,7 @@ def test_large_plan_table_is_compact(run_launch, tmp_path):
     assert len((job / "placement.csv").read_text().splitlines()) == 512 + 1
 
 
+@pytest.mark.slow
 def test_layout_sweep_reports_invalid_points_and_goes_on(tmp_path):
     """`-m` sweeps layouts: an invalid point is reported, the valid ones are planned."""
     from conftest import launch

@@ -23,6 +23,7 @@ def test_each_patch_is_still_needed(module, path, text):
     assert text in (MCORE / path).read_text(), f"{path} no longer contains {text!r}: drop the patch in {module}"
 
 
+@pytest.mark.slow
 def test_the_router_gemm_is_unbound_without_the_fix():
     """fixes._bind_te_general_gemm: without TE, moe_utils never binds te_general_gemm."""
     code = "from megatron.core.transformer.moe import moe_utils; print(hasattr(moe_utils, 'te_general_gemm'))"
@@ -34,6 +35,7 @@ FAKED = ("import megatron.core; megatron.core.__version__ = '0.17.0'; "
          "import gridwright.megatron_internals; print('imported')")
 
 
+@pytest.mark.slow
 def test_an_untested_megatron_core_is_refused_at_import():
     env = {k: v for k, v in os.environ.items() if k != OVERRIDE}
     r = subprocess.run([sys.executable, "-c", FAKED], capture_output=True, text=True, env=env)
@@ -44,6 +46,7 @@ def test_an_untested_megatron_core_is_refused_at_import():
     assert "WARNING" in r.stderr and "0.17.0" in r.stderr and "untested" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_local_launch_and_the_converter_refuse_an_untested_megatron_core_before_start(tmp_path):
     """Each says it in one line with exit 2, and creates nothing."""
     code = ("import sys, megatron.core; megatron.core.__version__ = '0.15.0'\n"

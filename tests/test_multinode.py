@@ -13,6 +13,8 @@ from local_slurm import running_cluster
 
 from gridwright.launchers.local import free_port
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STEPS = 200  # long enough (about 10 s of steps) for the requeue to land mid-run
 COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "checkpoint.save_interval=10"]
 

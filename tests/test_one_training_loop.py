@@ -10,6 +10,8 @@ import pytest
 from conftest import launch
 from test_deepspeed_runs import megatron_run_from_hf
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 EVAL = ["data.eval_interval=2", "data.eval_iters=2"]
 
 

@@ -3,8 +3,10 @@ import subprocess
 import sys
 
 from conftest import REPO
+import pytest
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_plans_from_anywhere(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 HEAVY = ("torch", "megatron", "deepspeed", "transformers", "mlflow")
 
@@ -26,6 +27,7 @@ print("HEAVY=" + json.dumps(heavy))
 """
 
 
+@pytest.mark.slow
 def test_plans_import_neither_torch_nor_megatron(tmp_path):
     for args, expected in ((["+experiment=mixtral_ep8", "launcher=plan"], []),
                            (["+experiment=llama3_70b"], []),  # a Slurm script
@@ -68,6 +70,7 @@ def test_a_preset_names_itself_and_gets_no_notes(run_launch, tmp_path):
     assert plan.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+@pytest.mark.slow
 def test_gpu_cluster_without_cuda_is_refused_before_start(run_launch, tmp_path):
     r = run_launch("+experiment=bench_gpu")
     assert r.returncode == 2

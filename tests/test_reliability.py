@@ -69,6 +69,7 @@ def test_bad_numbers_and_names_are_one_line(override, expected, tmp_path):
     assert not (tmp_path.parent / "etc").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_store_is_one_line_before_any_job_directory(tmp_path):
     garbage = tmp_path / "garbage.db"
     garbage.write_bytes(os.urandom(4096))
@@ -91,6 +92,7 @@ def test_an_unreachable_server_fails_within_the_stated_bound(tmp_path):
     assert store_problem("http://10.255.255.1:5000") is not None  # a black hole: the probe's own timeout
 
 
+@pytest.mark.slow
 def test_a_store_removed_mid_run_leaves_training_finished_and_sync_catches_up(tmp_path):
     store, job = tmp_path / "store.db", tmp_path / "job"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
@@ -128,6 +130,7 @@ def small_file_system(path: Path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+@pytest.mark.slow
 def test_free_space_is_checked_before_start_and_retention_keeps_n(tmp_path, compose):
     cfg = compose("train.steps=6", "checkpoint.save=/x", "checkpoint.save_interval=1")
     assert saves_kept(cfg.checkpoint, cfg.train) == 6
@@ -154,6 +157,7 @@ def test_retention_never_removes_latest_nor_a_save_under_way(tmp_path):
     assert remove_older(root, 1) == [root / "iter_0000030"]
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_at_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path):
     with small_file_system(tmp_path / "small", "8m") as small:
         ck = small / "ck"

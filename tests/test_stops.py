@@ -12,6 +12,8 @@ import psutil
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def start(tmp_path: Path, name: str, *overrides) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}

@@ -132,6 +132,7 @@ def test_report_compares_gpu_points(tmp_path):
     assert report.counts_text() == "2 finished, 1 invalid"
 
 
+@pytest.mark.slow
 def test_plan_sweep_is_one_parent_with_a_nested_run_per_point(plan_sweep):
     tmp, sweep_dir = plan_sweep
     record = json.loads((sweep_dir / "sweep.json").read_text())
@@ -164,6 +165,7 @@ def test_single_plan_does_not_touch_mlflow(tmp_path):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "jobs" / "sweeps").exists()
 
 
+@pytest.mark.slow
 def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
     tmp, sweep_dir = training_sweep
     client, runs = runs_of(tmp / "mlflow.db")
@@ -186,6 +188,7 @@ def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
     assert len(rows) == 3
 
 
+@pytest.mark.slow
 def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
     tmp, sweep_dir = offline_sweep
     assert not (tmp / "mlflow.db").exists()  # tracking=off: nothing touched MLflow
@@ -229,6 +232,7 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
     assert [m.value for m in live_loss] == pytest.approx([m.value for m in loss], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path, capsys):
     tmp, sweep_dir = offline_sweep
     job = sweep_dir / "0-tp2-dp1"
@@ -265,6 +269,7 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
     assert not (tmp_path / "bad.db").exists()
 
 
+@pytest.mark.slow
 def test_committed_gpu_sweep_syncs_with_distinct_names_and_its_measurements(tmp_path):
     """The evaluation sweep measured on 2 x H100 (records committed without traces) logs as
     one parent and seven nested runs; points that differ only by preset get distinct names."""

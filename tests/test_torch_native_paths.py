@@ -35,6 +35,7 @@ def _losses(job):
     return [json.loads(line)["loss"] for line in (job / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_torchao_fp8_trains_at_tp2_sp(run_launch, tmp_path):
     """precision=fp8_rowwise at TP=2+SP: the summary names the float8 path, and the losses
     follow the bf16 run closely without being equal to it."""
@@ -52,6 +53,7 @@ def test_torchao_fp8_trains_at_tp2_sp(run_launch, tmp_path):
     assert all(abs(a / b - 1) < 0.02 for a, b in zip(fp8, bf16))
 
 
+@pytest.mark.slow
 def test_compiled_layers_match_eager(run_launch, tmp_path):
     """engine.compile_layers=true (inductor on CPU) gives the eager run's losses."""
     runs = {}
@@ -79,6 +81,7 @@ def test_worker_connections_follow_tp_overlap():
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in worker_env(compose_config([]))
 
 
+@pytest.mark.slow
 def test_compiled_layers_all_compile_under_param_gather_overlap(run_launch, tmp_path):
     """DDP's parameter-gather pre-hooks differ per layer, so each layer compiles its own
     graph; past dynamo's default recompile limit (8) layers would silently run eagerly

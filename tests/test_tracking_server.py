@@ -11,6 +11,8 @@ from conftest import REPO
 
 from gridwright.launchers.local import free_port
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.fixture
 def mlflow_server(tmp_path):

@@ -80,6 +80,7 @@ def refused_in_one_line(result, file_part: str) -> None:
         result.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_path):
     kind, put = PLANTS[plant]
@@ -115,6 +116,7 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
     assert marker.exists(), "the planted payload did not run even when trusted: the test proves nothing"
 
 
+@pytest.mark.slow
 def test_trusting_ones_own_checkpoint_still_resumes(saved, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(saved["megatron"], ck)
@@ -124,6 +126,7 @@ def test_trusting_ones_own_checkpoint_still_resumes(saved, tmp_path):
     assert "resuming after step 2" in result.stdout
 
 
+@pytest.mark.slow  # reads the checkpoint a training run saves (the module's fixture)
 def test_the_metadata_reader_admits_torchs_records_and_nothing_else(saved, tmp_path):
     it = latest(saved["megatron"])
     index = read_dcp_metadata(it)
@@ -137,6 +140,7 @@ def test_the_metadata_reader_admits_torchs_records_and_nothing_else(saved, tmp_p
     assert not (tmp_path / "marker").exists()
 
 
+@pytest.mark.slow
 def test_guarded_torch_load_overrides_a_callers_weights_only_false(tmp_path):
     """What DeepSpeed's and DCP's own loaders ask for (weights_only=False) is refused once
     the process is guarded; tensors still load."""

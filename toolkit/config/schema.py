@@ -1,15 +1,97 @@
 """Typed schema of an experiment: one dataclass per Hydra config group.
 
 Hydra merges every YAML file of `conf/` into these dataclasses, so a misspelt key or a
-value of the wrong type is an error at composition time, before anything runs. The
-dataclasses carry no logic; validation lives in `gridwright.config.validation`.
+value of the wrong type is an error at composition time, before anything runs. A field
+with a closed set of values declares it (`choice`); validation checks every declared
+choice in one pass (`declared_choices`) and says which values exist. They stay `str`
+fields, not Enum-typed ones: OmegaConf 2.3 has no Literal, and an Enum mismatch would be
+Hydra's multi-line composition error (exit 1) instead of gridwright's one line (exit 2).
+The dataclasses carry no other logic; validation lives in `gridwright.config.validation`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from enum import StrEnum
+from typing import Iterator, Optional
 
 from omegaconf import MISSING
+
+from ..engines.registry import ENGINES
+from ..families.registry import FAMILIES
+from ..planning.model_math import DEFINITIONS as FLOPS_DEFINITIONS
+
+
+class Launcher(StrEnum):
+    local = "local"
+    torchrun = "torchrun"
+    slurm = "slurm"
+    plan = "plan"
+
+
+class GpuRequest(StrEnum):
+    auto = "auto"
+    gpus_per_node = "gpus_per_node"
+    gres = "gres"
+    none = "none"
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class Fp8Recipe(StrEnum):
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    blockwise = "blockwise"
+    mxfp8 = "mxfp8"
+    rowwise = "rowwise"
+
+
+class Fp8Format(StrEnum):
+    e4m3 = "e4m3"
+    hybrid = "hybrid"
+
+
+class Fp8Backend(StrEnum):
+    auto = "auto"
+    transformer_engine = "transformer_engine"
+    torchao = "torchao"
+
+
+class Recompute(StrEnum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class Dispatcher(StrEnum):
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+def choice(default, allowed) -> dataclasses.Field:
+    """A str field whose value is one of `allowed` (a StrEnum, or a registry's names)."""
+    return field(default=default, metadata={"choices": tuple(str(a) for a in allowed)})
+
+
+def declared_choices(cfg, schema=None, prefix: str = "") -> Iterator[tuple[str, object, tuple[str, ...], bool]]:
+    """(path, value, allowed values, whether null is allowed) of every field of the
+    composed `cfg` that declares its choices, in schema order."""
+    schema = schema or RunConfig
+    for f in dataclasses.fields(schema):
+        value = getattr(cfg, f.name)
+        if "choices" in f.metadata:
+            yield f"{prefix}{f.name}", value, f.metadata["choices"], "Optional" in str(f.type)
+        elif dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            yield from declared_choices(value, f.default_factory, f"{prefix}{f.name}.")
 
 
 @dataclass
@@ -17,7 +99,7 @@ class ModelConfig:
     """Shape of a Llama-style decoder (RMSNorm, SwiGLU, rotary, GQA), optionally MoE."""
 
     name: str = MISSING
-    family: str = "llama"  # a declared family (gridwright.families.registry): Hugging Face's model_type
+    family: str = choice("llama", FAMILIES)  # a declared family (gridwright.families.registry): Hugging Face's model_type
     num_layers: int = MISSING
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING
@@ -54,7 +136,7 @@ class ParallelConfig:
     order: str = "tp-cp-ep-dp-pp"
     allow_tp_across_nvlink: bool = False
     allow_ep_across_nvlink: bool = False
-    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
+    moe_token_dispatcher: str = choice("alltoall", Dispatcher)
 
 
 @dataclass
@@ -94,16 +176,16 @@ class PrecisionConfig:
     """Training precision. FP8 fields map to Megatron-Core's TransformerConfig."""
 
     name: str = "fp32"
-    params_dtype: str = "fp32"  # fp32 | bf16 | fp16
-    fp8_recipe: Optional[str] = None  # None | delayed | tensorwise | blockwise | mxfp8
-    fp8_format: str = "hybrid"  # e4m3 | hybrid
+    params_dtype: str = choice("fp32", Dtype)
+    fp8_recipe: Optional[str] = choice(None, Fp8Recipe)  # None: no FP8
+    fp8_format: str = choice("hybrid", Fp8Format)
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
     fp8_param: bool = False
     # Whose FP8 matmuls: transformer_engine | torchao (tensorwise and rowwise, dynamic scaling,
     # inside the torch-native spec; emulated on CPU) | auto (Transformer Engine where it
     # imports, else torchao for its recipes).
-    fp8_backend: str = "auto"
+    fp8_backend: str = choice("auto", Fp8Backend)
 
 
 @dataclass
@@ -120,7 +202,7 @@ class GpuConfig:
 @dataclass
 class ClusterConfig:
     name: str = "laptop"
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    device: str = choice("cpu", Device)  # cpu (gloo) | cuda (nccl)
     nodes: int = 1
     gpus_per_node: int = 2  # processes per node on cpu
     nvlink_domain_size: int = 8  # GPUs that share one NVLink domain
@@ -136,7 +218,7 @@ class ClusterConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "megatron"  # megatron | deepspeed
+    name: str = choice("megatron", ENGINES)
     # engine=deepspeed: which model DeepSpeed trains. huggingface: the transformers model of the
     # family; megatron: Megatron-Core's GPTModel, the Megatron engine's own (ZeRO-1/2, any TP);
     # auto: megatron with parallel.tp>1, else huggingface.
@@ -164,7 +246,7 @@ class EngineConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"  # local | torchrun | slurm | plan
+    name: str = choice("local", Launcher)
     master_addr: str = "127.0.0.1"  # torchrun: node 0's address (Slurm finds its own)
     master_port: int = 29500
     # Interpreter of the emitted torchrun lines and Slurm script; None: the one planning.
@@ -181,7 +263,7 @@ class LauncherConfig:
     cpus_per_task: Optional[int] = None
     mem: Optional[str] = None  # per node, e.g. 200G
     # auto: --gpus-per-node on CUDA clusters, nothing on CPU | gpus_per_node | gres | none
-    gpu_request: str = "auto"
+    gpu_request: str = choice("auto", GpuRequest)
     exclusive: bool = True
     extra_directives: list[str] = field(default_factory=list)  # e.g. ["--reservation=r1"]
     setup: Optional[str] = None  # shell lines before srun: modules, a venv, exports
@@ -208,7 +290,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 0.0  # 0 disables clipping
     seed: int = 1234
-    recompute: str = "none"  # none | selective | full
+    recompute: str = choice("none", Recompute)
     log_interval: int = 1
 
 
@@ -251,7 +333,7 @@ class EvaluateConfig:
 
     # FLOPs definition behind `mfu` (gridwright.planning.model_math): megatron (causal attention
     # halved, as Megatron-LM) | palm (attention in full, as PaLM and TorchTitan).
-    flops_definition: str = "megatron"
+    flops_definition: str = choice("megatron", FLOPS_DEFINITIONS)
     # [first, last): steps traced with torch.profiler on every rank; None: no tracing.
     profile_steps: Optional[list[int]] = None
 

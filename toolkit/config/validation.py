@@ -13,28 +13,19 @@ import re
 from omegaconf import OmegaConf
 
 from ..families.hf_config import family_problems
-from ..engines.registry import ENGINES, is_known, rules
+from ..engines.registry import is_known, rules
 from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout
+from .schema import declared_choices
 from ..planning.machine_probe import probe
 from ..versions.megatron_version import refusal as megatron_core_refusal
-from ..planning.model_math import DEFINITIONS as FLOPS_DEFINITIONS
 from ..planning.placement import Placement, plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan, predict_communication
 
-LAUNCHERS = ("local", "torchrun", "slurm", "plan")
-GPU_REQUESTS = ("auto", "gpus_per_node", "gres", "none")
-DEVICES = ("cpu", "cuda")
-DTYPES = ("fp32", "bf16", "fp16")
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "rowwise")
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_BACKENDS = ("auto", "transformer_engine", "torchao")
 TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals.parallel_linear
 # The formats torchao's recipes fix (Float8LinearConfig.from_recipe_name)
 TORCHAO_FP8_FORMATS = {"tensorwise": "hybrid", "rowwise": "e4m3"}
 TORCHAO_FORMAT_WORDS = {"hybrid": "E4M3 forward and E5M2 for gradients", "e4m3": "E4M3 everywhere"}
-RECOMPUTE = ("none", "selective", "full")
-DISPATCHERS = ("alltoall", "allgather")
 
 
 class ConfigError(ValueError):
@@ -49,26 +40,14 @@ class ConfigError(ValueError):
 
 # Rules ----------------------------------------------------------------------
 def check_choices(cfg) -> list[str]:
+    """Every field whose choices the schema declares holds one of them (one pass over the
+    schema), and the ranges of the few integer settings."""
     out = []
-    for path, value, allowed in (
-        ("engine.name", cfg.engine.name, ENGINES),
-        ("launcher.name", cfg.launcher.name, LAUNCHERS),
-        ("cluster.device", cfg.cluster.device, DEVICES),
-        ("precision.params_dtype", cfg.precision.params_dtype, DTYPES),
-        ("precision.fp8_format", cfg.precision.fp8_format, FP8_FORMATS),
-        ("precision.fp8_backend", cfg.precision.fp8_backend, FP8_BACKENDS),
-        ("train.recompute", cfg.train.recompute, RECOMPUTE),
-        ("parallel.moe_token_dispatcher", cfg.parallel.moe_token_dispatcher, DISPATCHERS),
-        ("model.family", cfg.model.family, tuple(FAMILIES)),
-        ("evaluate.flops_definition", cfg.evaluate.flops_definition, FLOPS_DEFINITIONS),
-        ("launcher.gpu_request", cfg.launcher.gpu_request, GPU_REQUESTS),
-    ):
+    for path, value, allowed, nullable in declared_choices(cfg):
+        if value is None and nullable:
+            continue
         if value not in allowed:
-            out.append(f"{path}='{value}' is not one of {', '.join(allowed)}.")
-    if cfg.precision.fp8_recipe is not None and cfg.precision.fp8_recipe not in FP8_RECIPES:
-        out.append(
-            f"precision.fp8_recipe='{cfg.precision.fp8_recipe}' is not one of {', '.join(FP8_RECIPES)} (or null)."
-        )
+            out.append(f"{path}='{value}' is not one of {', '.join(allowed)}{' (or null)' if nullable else ''}.")
     if cfg.train.warmup_steps >= cfg.train.steps >= 1:
         out.append(
             f"train.warmup_steps={cfg.train.warmup_steps} must be below train.steps={cfg.train.steps} "

@@ -196,11 +196,27 @@ def test_elastic_restart_after_a_lost_worker_ends_with_the_uninterrupted_losses(
     assert sorted(m.step for m in history) == list(range(steps))  # no step logged twice
 
 
+def port_outside_the_ephemeral_range() -> int:
+    """A free port that no process's outgoing connection can take before torchrun binds it
+    (the emitted line names the port seconds before the agent listens on it; a port the
+    kernel hands out, as free_port's are, may meanwhile carry another test's gloo traffic)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, min(low, 32768)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def torchrun_job(tmp_path: Path) -> tuple[Path, str]:
     """A one-node job emitted as a torchrun line: its (node-0) agent opens the MLflow run."""
-    from gridwright.launchers.local import free_port
-
-    port = free_port()
+    port = port_outside_the_ephemeral_range()
     result = subprocess.run(
         [sys.executable, str(REPO / "launch.py"), f"job_dir={tmp_path / 'job'}", "launcher=torchrun",
          "launcher.master_addr=127.0.0.1", f"launcher.master_port={port}", "train.steps=2000", "train.warmup_steps=1",

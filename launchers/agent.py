@@ -203,7 +203,7 @@ class JobRun:
         """Open (or reopen) the run on node 0 with tracking on, and hand its id to the
         workers this agent starts; None elsewhere, or when the store cannot be reached
         (training goes on; the job directory keeps the record)."""
-        from gridwright.runtime.jobdir import load_job_config
+        from gridwright.runtime.jobdir import FAILURE_FILE, load_job_config
 
         try:
             cfg = load_job_config(job_dir)
@@ -211,7 +211,6 @@ class JobRun:
             return None
         if not cfg.tracking.enabled or node_rank(torchrun_args) != 0:
             return None
-        from gridwright.runtime.jobdir import FAILURE_FILE
         from gridwright.tracking import mlflow_runs as tracking
 
         (job_dir / FAILURE_FILE).unlink(missing_ok=True)  # an earlier attempt's

@@ -34,13 +34,12 @@ def agent_command(cfg, job_dir: Path, port: int) -> list[str]:
     ]
 
 
-def run_local(cfg, job_dir: Path, extra_env: dict[str, str]) -> tuple[int, int | None]:
+def run_local(cfg, job_dir: Path) -> tuple[int, int | None]:
     """Start the agent and wait for it; returns its exit code and the signal that stopped
     the launcher (None when none did)."""
     token = new_token()
     env = dict(os.environ)
     env.update(worker_env(cfg))
-    env.update(extra_env)
     env.update({TOKEN_ENV: token, LAUNCHER_PIPE_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
     cmd = agent_command(cfg, job_dir, free_port())
     print("+ " + " ".join(cmd), flush=True)

@@ -179,7 +179,7 @@ def run_locally(cfg, job_dir) -> Outcome:
     closed here, as any later look at the job directory would (run_owner)."""
     from gridwright.launchers.local import run_local
 
-    code, stopped_by = run_local(cfg, job_dir, {})
+    code, stopped_by = run_local(cfg, job_dir)
     stopped_by = stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
     # A negative code: the agent itself was killed by that signal.
     status = "killed" if stopped_by or code < 0 else ("finished" if code == 0 else "failed")

@@ -22,20 +22,24 @@ class MetricsSink(Protocol):
 
 class JsonlSink:
     """`metrics.jsonl`: what earlier attempts recorded before this attempt's first step is
-    kept, and every step of this attempt is appended as it ends."""
+    kept, and every step of this attempt is appended as it ends. `rows` is the file's
+    content: the run's history, from which its summary is made."""
 
     def __init__(self, job_dir: Path, recorded_before: list[dict]):
         self.path = Path(job_dir) / METRICS_FILE
         self.recorded_before = recorded_before
+        self.rows: list[dict] = []
         self.started = False
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.started:  # keep what earlier attempts recorded before this step
             self.started = True
-            kept = [r for r in self.recorded_before if r["step"] < step]
-            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self.rows = [r for r in self.recorded_before if r["step"] < step]
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        row = {"step": step, **metrics}
+        self.rows.append(row)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps(row) + "\n")
 
 
 class TerminalSink:

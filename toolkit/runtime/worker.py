@@ -61,14 +61,12 @@ class Reporter:
     def __init__(self, cfg, job_dir: Path, layout: ParallelLayout):
         self.cfg, self.job_dir = cfg, job_dir
         self.metrics = StepMetrics(read_json(job_dir / PLAN_FILE), layout.world_size, cfg.cluster.device == "cuda")
-        self.history: list[dict] = []
         # Steps an earlier attempt of this job recorded (a restart resumes from a checkpoint
         # and repeats the steps after it exactly).
         recorded_before = read_metrics(job_dir)
-        self.recorded_before = recorded_before
-        self.first_step: int | None = None
+        self.jsonl = JsonlSink(job_dir, recorded_before)
         self.sinks: list[MetricsSink] = [
-            JsonlSink(job_dir, recorded_before),
+            self.jsonl,
             TerminalSink(cfg.train.log_interval, cfg.train.steps - 1, self.metrics.record["flops_definition"])]
         run_id = os.environ.get("MLFLOW_RUN_ID")  # the agent's run of this job (none with tracking off)
         if cfg.tracking.enabled and run_id:
@@ -79,12 +77,13 @@ class Reporter:
             except Exception as e:  # noqa: BLE001 - tracking never stops training
                 print(tracking.tracking_failure_line("reaching the run", tracking.one_line(e), job_dir), flush=True)
 
+    @property
+    def history(self) -> list[dict]:
+        """Every step of the run so far (earlier attempts' included): metrics.jsonl's rows."""
+        return self.jsonl.rows
+
     def on_step(self, step: int, raw: dict) -> None:
-        if self.first_step is None:  # keep what earlier attempts recorded before this step
-            self.first_step = step
-            self.history = [r for r in self.recorded_before if r["step"] < step]
         m = self.metrics.derive(raw)
-        self.history.append({"step": step, **m})
         for sink in self.sinks:
             sink.write(step, m)
 

@@ -50,13 +50,21 @@ def test_default_run_logs_to_mlflow(run_launch, tmp_path):
     assert len(run.data.tags["mlflow.source.git.commit"]) >= 7
     loss = client.get_metric_history(run.info.run_id, "loss")
     assert [m.value for m in sorted(loss, key=lambda m: m.step)] == pytest.approx([h["loss"] for h in history])
-    for key in ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "memory_max_rss_gib", "lr", "grad_norm"):
+    for key in ("lr", "grad_norm", "step_time_ms", "step_tok_s_gpu"):
         assert len(client.get_metric_history(run.info.run_id, key)) == STEPS, key
-    tokens = client.get_metric_history(run.info.run_id, "tokens_per_s")[0]
-    per_gpu = client.get_metric_history(run.info.run_id, "tokens_per_s_per_gpu")[0]
-    assert tokens.value == pytest.approx(2 * per_gpu.value)
-    assert "mfu" not in run.data.metrics  # a CPU has no known peak: no made-up MFU
-    assert run.data.metrics["tflops_per_gpu"] > 0
+    step_ms = sorted(client.get_metric_history(run.info.run_id, "step_time_ms"), key=lambda m: m.step)
+    assert [m.value for m in step_ms] == pytest.approx([1000 * h["step_time_s"] for h in history])
+    # The runs table's numbers: the headline set in ms, GiB and %, nothing else (the long
+    # tail stays in summary.json and metrics.jsonl).
+    metrics = run.data.metrics
+    assert set(metrics) == {"loss", "lr", "grad_norm", "step_time_ms", "step_tok_s_gpu", "tok_s_gpu", "step_ms",
+                            "peak_mem_gib", "final_loss"}  # a CPU has no known peak: no made-up MFU
+    assert metrics["tok_s_gpu"] == pytest.approx(summary["tokens_per_s_per_gpu"])
+    assert metrics["step_ms"] == pytest.approx(1000 * summary["mean_step_time_s"])
+    assert metrics["final_loss"] == pytest.approx(history[-1]["loss"])
+    assert metrics["peak_mem_gib"] == pytest.approx(summary["memory_peak_gib"])
+    view = json.loads(exp.tags["mlflow.sharedViewState.gridwright-runs"])
+    assert "metrics.`tok_s_gpu`" in view["selectedColumns"] and "tags.`gridwright.layout`" in view["selectedColumns"]
     assert run.data.params["flops.definition"] == "megatron" and run.data.params["flops.peak_kind"] == "bf16"
     assert float(run.data.params["flops.per_token_megatron"]) == summary["flops_per_token"]["megatron"]
     assert run.info.run_name == "tiny_llama dp2" and run.data.params["derived.dp"] == "2"
@@ -64,6 +72,8 @@ def test_default_run_logs_to_mlflow(run_launch, tmp_path):
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     # The end of the run on the terminal: what it learned, how fast, MFU or why none, memory, where to look.
     out = result.stdout
+    assert (f"compare: http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+            "&viewStateShareKey=gridwright-runs") in out
     assert f"summary     {STEPS} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}" in out
     assert f"{summary['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU" in out and "(mean of steps 1-7)" in out
     assert "MFU none: the device (cpu, cluster laptop) has no known peak FLOP/s" in out

@@ -37,7 +37,8 @@ FLOOR_0 = ("gridwright.atomic_io", "gridwright.config.schema", "gridwright.confi
            "gridwright.runtime.heartbeat", "gridwright.runtime.jobdir", "gridwright.runtime.known_warnings",
            "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.runtime.outcome",
            "gridwright.runtime.metric_sinks", "gridwright.tracking.run_owner",
-           "gridwright.tracking.store", "gridwright.tracking.sweep_report")
+           "gridwright.tracking.store", "gridwright.tracking.sweep_report", "gridwright.tracking.headline",
+           "gridwright.tracking.runs_view")
 FLOOR_2 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
 # Inside gridwright.engines, what validation and planning read without loading an engine.
 ENGINE_RULES = ("gridwright.engines.registry", "gridwright.engines.protocol", "gridwright.engines.megatron_rules",

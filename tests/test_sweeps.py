@@ -175,12 +175,18 @@ def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
         run = runs[f"tiny_llama {name}"]
         assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert len(client.get_metric_history(run.info.run_id, "loss")) == 3
-        assert run.data.metrics["summary.steps"] == 3
+        assert run.data.metrics["final_loss"] == client.get_metric_history(run.info.run_id, "loss")[-1].value
         assert {"config.yaml", "plan.json", "summary.json", "metrics.jsonl"} <= artifacts(client, run)
-    assert {"comparison.md", "comparison.csv", "throughput.png"} <= artifacts(client, parent)
+    assert {"comparison.md", "comparison.csv", "throughput.png", "points.png"} <= artifacts(client, parent)
     best = parent.data.tags["gridwright.best_point"]
     assert best in ("#0 tiny_llama dp2", "#1 tiny_llama tp2-dp1")
-    assert parent.data.metrics["best_tokens_per_s_per_gpu"] > 0
+    best_run = runs[best.split(" ", 1)[1]]  # the parent's row shows the best point's numbers
+    assert parent.data.metrics["tok_s_gpu"] == pytest.approx(best_run.data.metrics["tok_s_gpu"])
+    assert parent.data.metrics["final_loss"] == pytest.approx(best_run.data.metrics["final_loss"])
+    exp = client.get_experiment(parent.info.experiment_id)
+    view = json.loads(exp.tags[f"mlflow.sharedViewState.gridwright-sweep-{parent.info.run_id}"])
+    assert view["searchFilter"] == f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    assert view["groupsExpanded"] == {f"tag.mlflow.parentRunId.{parent.info.run_id}": True}
     table = (sweep_dir / "comparison.md").read_text()
     assert "| 1 | tiny_llama tp2-dp1 | `parallel.tp=2` | finished | TP=2 PP=1 CP=1 DP=1 |" in table
     rows = (sweep_dir / "comparison.csv").read_text().splitlines()
@@ -211,7 +217,7 @@ def test_untracked_sweep_is_synced_once(offline_sweep, training_sweep, capsys):
     client, runs = runs_of(tmp / "mlflow.db")
     assert len(runs) == 3
     parent = runs["tiny_llama sweep parallel.tp=2,3"]
-    assert len(client.get_metric_history(parent.info.run_id, "best_tokens_per_s_per_gpu")) == 1
+    assert len(client.get_metric_history(parent.info.run_id, "tok_s_gpu")) == 1
 
     synced = runs["tiny_llama tp2-dp1"]
     assert (synced.info.status, runs["tiny_llama tp3-dp0"].info.status) == ("FINISHED", "FAILED")
@@ -261,7 +267,7 @@ def test_job_dir_is_synced_once_and_bad_input_is_refused(offline_sweep, tmp_path
     assert len(runs) == 2 and len({line.split()[-3] for line in out[-3:-1]}) == 1  # one run, logged twice
     (upgraded,) = [r for r in runs.values() if r.data.tags["gridwright.job_dir"] == str(emitted)]
     assert (upgraded.info.status, upgraded.data.tags["gridwright.status"]) == ("FINISHED", "finished")
-    assert upgraded.data.metrics["summary.steps"] == 3
+    assert upgraded.data.metrics["final_loss"] > 0
 
     for bad in (tmp_path / "missing", sweep_dir.parent):
         result = sync(bad, "--tracking-uri", f"sqlite:///{tmp_path / 'bad.db'}", cwd=tmp_path)
@@ -284,9 +290,20 @@ def test_committed_gpu_sweep_syncs_with_distinct_names_and_its_measurements(tmp_
     assert {"eval_bench dp2 eval_dp2", "eval_bench dp2 eval_dp2_overlap", "eval_bench tp2-sp-dp1 eval_tp2_sp"} <= set(runs)
     parent = next(r for r in runs.values() if "mlflow.parentRunId" not in r.data.tags)
     assert {"comparison.md", "mfu.png", "step_breakdown.png", "comm_profile.png"} <= artifacts(client, parent)
-    tp = runs["eval_bench tp2-sp-dp1 eval_tp2_sp"].data.metrics
-    assert tp["summary.mfu"] < tp["summary.mfu_palm"]
-    assert tp["summary.communication.by_group.tp.predicted_bytes"] == tp["summary.communication.by_group.tp.bytes"]
+    tp_run = runs["eval_bench tp2-sp-dp1 eval_tp2_sp"]
+    tp = tp_run.data.metrics
+    summary = json.loads((sweep_dir / "3-tp2-sp-dp1" / "summary.json").read_text())
+    assert tp["mfu_megatron_pct"] == pytest.approx(100 * summary["mfu"]) and tp["mfu_megatron_pct"] < tp["mfu_palm_pct"]
+    assert tp["exposed_tp_ms"] == pytest.approx(1000 * summary["communication"]["by_group"]["tp"]["exposed_s"])
+    assert tp["step_ms"] == pytest.approx(1000 * summary["mean_step_time_s"])
+    # Durations come from the job's records (the sweep's times), not the files' times of this copy.
+    points = {p["job_dir"]: p for p in json.loads((sweep_dir / "sweep.json").read_text())["points"]}
+    for run in runs.values():
+        if "mlflow.parentRunId" in run.data.tags:
+            point = points[Path(run.data.tags["gridwright.job_dir"]).name]
+            job = json.loads((sweep_dir / point["job_dir"] / "job.json").read_text())
+            assert (run.info.start_time, run.info.end_time) == (job["created_ms"], point["ended_ms"])
+            assert 0 < run.info.end_time - run.info.start_time < 120_000
 
 
 @pytest.mark.parametrize("sweep", ["eval_sweep_2xh100_20261126-1201", "engines_sweep_2xh200_20261127-2346"])

@@ -29,13 +29,14 @@ from ..runtime.jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMEN
 from ..planning.layout import ParallelLayout
 from ..runtime.profiling import TRACES_DIR
 from . import run_owner
-from .sweep_report import COMM_PROFILE_PNG, SweepReport, name_suffix, override_key, write_report
+from . import headline, runs_view
+from .sweep_report import COMM_PROFILE_PNG, POINTS_PNG, SweepReport, name_suffix, override_key, write_report
 from ..analysis.trace_analysis import COMMUNICATION_FILE
 from .store import bound_http_waits, tracking_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Without this tag the MLflow 3 UI opens an experiment on its (empty) GenAI page.
+# The experiment's kind for MLflow 3's UI; the printed links also say so (runs_view).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 PARENT_TAG = "mlflow.parentRunId"
 JOB_ID_TAG = "gridwright.job_id"
@@ -101,7 +102,9 @@ def _experiment_id(client, name: str, uri: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name, artifact_location=_artifact_location(uri), tags=EXPERIMENT_TAGS)
+            exp_id = client.create_experiment(name, artifact_location=_artifact_location(uri), tags=EXPERIMENT_TAGS)
+            runs_view.publish(client, exp_id, runs_view.RUNS_VIEW, runs_view.view_state())
+            return exp_id
         except MlflowException:  # created meanwhile by another process
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -109,6 +112,7 @@ def _experiment_id(client, name: str, uri: str) -> str:
     for key, value in EXPERIMENT_TAGS.items():
         if exp.tags.get(key) != value:
             client.set_experiment_tag(exp.experiment_id, key, value)
+    runs_view.publish(client, exp.experiment_id, runs_view.RUNS_VIEW, runs_view.view_state())
     return exp.experiment_id
 
 
@@ -177,6 +181,22 @@ def run_name(cfg, slug: str, suffix: str = "") -> str:
     return f"{cfg.name} {slug}" + (f" {suffix}" if suffix else "")
 
 
+def unique_run_name(client, exp_id: str, name: str) -> str:
+    """`name`, or `name #N` with the next free N: repeated runs of one experiment and
+    layout stay apart in the runs table and still say the layout."""
+    from mlflow.entities import ViewType
+
+    like = "" if "'" in name else f"attributes.run_name LIKE '{name}%'"  # a quote: look at every run
+    taken = {r.info.run_name for r in client.search_runs(
+        [exp_id], filter_string=like, run_view_type=ViewType.ALL, max_results=50000)}
+    if name not in taken:
+        return name
+    n = 2
+    while f"{name} #{n}" in taken:
+        n += 1
+    return f"{name} #{n}"
+
+
 def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
@@ -220,7 +240,8 @@ def _log_metrics(client, run_id: str, metrics) -> None:
 def create_job_run(client, exp_id: str, cfg, layout: ParallelLayout, job_dir: Path, *,
                    tags: dict | None = None, start_time: int | None = None, name_suffix: str = "") -> str:
     """A new run for the job in `job_dir`: name, tags, params and the planning artifacts."""
-    run = client.create_run(exp_id, start_time=start_time, run_name=run_name(cfg, layout.slug(), name_suffix),
+    name = unique_run_name(client, exp_id, run_name(cfg, layout.slug(), name_suffix))
+    run = client.create_run(exp_id, start_time=start_time, run_name=name,
                             tags={**job_tags(cfg, layout, job_dir), **(tags or {})})
     run_id = run.info.run_id
     _log_params(client, run_id, job_params(cfg, layout, job_dir))
@@ -231,30 +252,32 @@ def create_job_run(client, exp_id: str, cfg, layout: ParallelLayout, job_dir: Pa
 
 
 # A job directory's results ---------------------------------------------------
-def numeric_items(record: dict, prefix: str = ""):
-    """(dotted key, float) for every number in a nested dict; booleans and text skipped."""
-    for key, value in record.items():
-        if isinstance(value, dict):
-            yield from numeric_items(value, f"{prefix}{key}.")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-            yield f"{prefix}{key}", float(value)
-
-
 def _step_metrics(job_dir: Path, start_ms: int):
-    """metrics.jsonl as MLflow metrics; each step timed by the step times before it."""
+    """metrics.jsonl's curves (headline.step_metrics) as MLflow metrics; each step timed by
+    the step times before it."""
     from mlflow.entities import Metric
 
     out, clock = [], float(start_ms)
     for row in read_metrics(job_dir):
         clock += 1000 * float(row.get("step_time_s") or 0)
-        out += [Metric(k, v, int(clock), int(row["step"])) for k, v in numeric_items(row) if k != "step"]
+        out += [Metric(k, v, int(clock), int(row["step"])) for k, v in headline.step_metrics(row).items()]
     return out
 
 
-def last_write_ms(job_dir: Path) -> int:
-    """When anything in the job directory was last written (its run's end time)."""
-    times = [p.stat().st_mtime for p in Path(job_dir).rglob("*") if p.is_file()]
-    return int(1000 * max(times, default=time.time()))
+def ended_ms(job_dir: Path, known: int | None = None) -> int | None:
+    """When the job ended, from its own records: `known` (a sweep's record of the point),
+    else the summary's end, else its start plus the step times it recorded. Never the
+    files' times: a copied or cloned job directory has new ones."""
+    if known:
+        return int(known)
+    summary = read_json(Path(job_dir) / SUMMARY_FILE)
+    if isinstance(summary.get("ended_ms"), (int, float)):
+        return int(summary["ended_ms"])
+    start = job_record(Path(job_dir)).get("created_ms")
+    rows = read_metrics(Path(job_dir))
+    if start is None or not rows:
+        return None
+    return int(start + 1000 * sum(float(r.get("step_time_s") or 0) for r in rows))
 
 
 def job_outcome(launcher, job_dir: Path) -> str:
@@ -269,8 +292,9 @@ def job_outcome(launcher, job_dir: Path) -> str:
 
 
 def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -> None:
-    """What a run left in its job directory: the summary as `summary.*` metrics, the result
-    files and traces as artifacts, and (when not logged live) every line of metrics.jsonl."""
+    """What a run left in its job directory: the summary's headline metrics (the rest stays in
+    summary.json), the result files and traces as artifacts, and (when not logged live) the
+    curves of metrics.jsonl."""
     from mlflow.entities import Metric
 
     job_dir = Path(job_dir)
@@ -278,8 +302,9 @@ def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -
         _log_metrics(client, run_id, _step_metrics(job_dir, job_record(job_dir)["created_ms"]))
     summary = read_json(job_dir / SUMMARY_FILE)
     if summary:
-        stamp = last_write_ms(job_dir)
-        _log_metrics(client, run_id, [Metric(f"summary.{k}", v, stamp, 0) for k, v in numeric_items(summary)])
+        stamp, step = ended_ms(job_dir) or int(time.time() * 1000), 0
+        values = headline.run_metrics(summary, read_json(job_dir / PLAN_FILE))
+        _log_metrics(client, run_id, [Metric(k, v, stamp, step) for k, v in values.items()])
     for name in RESULT_FILES:
         if (job_dir / name).is_file():
             client.log_artifact(run_id, str(job_dir / name))
@@ -288,7 +313,7 @@ def log_job_results(client, run_id: str, job_dir: Path, *, step_metrics: bool) -
 
 
 def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None,
-                tags: dict | None = None, name_suffix: str = "") -> tuple[str, bool]:
+                tags: dict | None = None, name_suffix: str = "", end_ms: int | None = None) -> tuple[str, bool]:
     """Log a job directory as one run unless a run with its job id exists already; a run
     logged as planned whose job has run since (torchrun/Slurm) gets the results. `status`
     (from a sweep's record) is taken unless the files show the planned job has run.
@@ -310,7 +335,8 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
                                 start_time=record.get("created_ms"), tags=tags, name_suffix=name_suffix)
     log_job_results(client, run_id, job_dir, step_metrics=True)
     client.set_tag(run_id, STATUS_TAG, status)
-    client.set_terminated(run_id, status=MLFLOW_STATUS[status], end_time=last_write_ms(job_dir))
+    end, start = ended_ms(job_dir, end_ms), record.get("created_ms")
+    client.set_terminated(run_id, status=MLFLOW_STATUS[status], end_time=max(end, start) if end and start else end)
     return run_id, True
 
 
@@ -364,7 +390,7 @@ class MetricsLogger:
         if self.failed or step in self.logged:
             return
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v == v]  # drop NaN
+        batch = [Metric(k, v, now, step) for k, v in headline.step_metrics(metrics).items()]
         try:
             self.client.log_batch(self.run_id, metrics=batch)
         except Exception as e:  # noqa: BLE001 - any failure of the store: training goes on
@@ -434,15 +460,19 @@ def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None
 
 
 def where_to_see(uri: str, run_id: str) -> list[str]:
-    """Terminal lines that lead from a finished run to its page in the MLflow UI."""
+    """Terminal lines that lead from a finished run to the MLflow UI: the experiment's runs
+    table with the headline columns (runs_view), and the run's own page."""
     client = client_for(uri)
     run = client.get_run(run_id)
+    exp_id = run.info.experiment_id
     lines = [f"mlflow      run {run_id} ({run.info.status}) in {uri}"]
-    if uri.startswith("sqlite:///"):
-        url = f"http://127.0.0.1:5000/#/experiments/{run.info.experiment_id}/runs/{run_id}"
-        lines.append(f"            mlflow ui --backend-store-uri {uri}   then open {url}")
-    elif uri.startswith("http"):
-        lines.append(f"            {uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}")
+    base = runs_view.ui_base(uri)
+    if base is None:
+        return lines
+    if base == runs_view.LOCAL_UI:
+        lines.append(f"            see it: mlflow ui --backend-store-uri {uri}")
+    lines.append(f"            compare: {runs_view.runs_table_url(base, exp_id)}")
+    lines.append(f"            this run: {runs_view.run_url(base, exp_id, run_id)}")
     return lines
 
 
@@ -477,7 +507,8 @@ def log_sweep_point(client, exp_id: str, sweep_dir: Path, record, point: dict, p
     job_dir = record.job_dir_of(point, sweep_dir)
     if job_dir is not None and job_dir.is_dir():
         return log_job_dir(client, exp_id, job_dir, status=point["status"], tags=tags,
-                           name_suffix=name_suffix(record.overrides, point.get("overrides", [])))
+                           name_suffix=name_suffix(record.overrides, point.get("overrides", [])),
+                           end_ms=point.get("ended_ms"))
     existing = find_run(client, exp_id, JOB_ID_TAG, point["job_id"])
     if existing is not None:
         return existing.info.run_id, False
@@ -493,7 +524,8 @@ def log_sweep_point(client, exp_id: str, sweep_dir: Path, record, point: dict, p
 
 
 def finish_sweep(client, parent_run_id: str, sweep_dir: Path, record, report: SweepReport) -> None:
-    """The parent's comparison table, plots and best point; then its end."""
+    """The parent's comparison table, plots and best point (its headline metrics are the
+    best point's), the shared view of its points; then its end."""
     from mlflow.entities import Metric
 
     for path in report.files:
@@ -506,7 +538,9 @@ def finish_sweep(client, parent_run_id: str, sweep_dir: Path, record, report: Sw
     if report.best is not None:
         client.set_tag(parent_run_id, "gridwright.best_point", f"#{report.best['num']} {report.best['name']}")
         client.set_tag(parent_run_id, "gridwright.best_by", report.best_by)
-        _log_metrics(client, parent_run_id, [Metric(f"best_{k}", v, stamp, 0) for k, v in report.best_metrics().items()])
+        _log_metrics(client, parent_run_id, [Metric(k, v, stamp, 0) for k, v in report.best_metrics().items()])
+    exp_id = client.get_run(parent_run_id).info.experiment_id
+    runs_view.publish(client, exp_id, runs_view.sweep_view_key(parent_run_id), runs_view.sweep_view_state(parent_run_id))
     ended = record.status == "finished"
     client.set_tag(parent_run_id, STATUS_TAG, record.status if ended else "interrupted")
     client.set_terminated(parent_run_id, status="FINISHED" if ended else "KILLED", end_time=stamp)
@@ -523,3 +557,16 @@ def log_sweep(client, exp_id: str, sweep_dir: Path, record) -> tuple[str, int]:
     if count or client.get_run(parent).info.status == "RUNNING":
         finish_sweep(client, parent, sweep_dir, record, write_report(sweep_dir, record))
     return parent, count
+
+
+def sweep_links(uri: str, parent_run_id: str) -> list[str]:
+    """Terminal lines that lead from a sweep to the MLflow UI: its points in the runs table
+    with the headline columns, and the parent run, whose artifacts hold the sweep's chart."""
+    base = runs_view.ui_base(uri)
+    if base is None:
+        return []
+    exp_id = client_for(uri).get_run(parent_run_id).info.experiment_id
+    lines = [f"            see it: mlflow ui --backend-store-uri {uri}"] if base == runs_view.LOCAL_UI else []
+    lines.append(f"            compare: {runs_view.runs_table_url(base, exp_id, runs_view.sweep_view_key(parent_run_id))}")
+    lines.append(f"            chart: {runs_view.run_url(base, exp_id, parent_run_id, POINTS_PNG)}")
+    return lines

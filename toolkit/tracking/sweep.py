@@ -33,7 +33,7 @@ from ..config.compose import strip_hydra
 from ..runtime.jobdir import JOB_FILE, SWEEP_FILE, SweepPoint, create_sweep_dir, planned_job_dir, read_json
 from ..runtime.outcome import Outcome
 from ..planning.layout import ParallelLayout
-from .sweep_report import name_suffix, override_key, point_label, swept_keys, write_report
+from .sweep_report import name_suffix, override_key, swept_keys, write_report
 
 
 def _now_ms() -> int:
@@ -87,6 +87,7 @@ class ActiveSweep:
 
     def __init__(self, cfg, sweep_dir: Path, record: SweepRecord):
         self.dir, self.record = sweep_dir, record
+        self.uri = tracking.tracking_uri(cfg.tracking)
         self.point_started_ms = 0  # when the point running now started
         self.client = self.exp_id = self.parent_run_id = None
         if cfg.tracking.enabled:
@@ -232,7 +233,10 @@ class SweepCallback(Callback):
             tracking.finish_sweep(sweep.client, sweep.parent_run_id, sweep.dir, sweep.record, report)
         print(f"sweep       {len(sweep.record.points)} points ({report.counts_text()}); "
               f"comparison in {sweep.dir / 'comparison.md'}", flush=True)
+        print("\n".join(report.terminal_lines()), flush=True)
         if sweep.client is None:
             print(f"            log it to MLflow with: python -m gridwright.tracking.sync {sweep.dir}", flush=True)
-        for point in sweep.record.points:
-            print(f"  {point_label(point):<24} {point['status']:<9} {point['error'][:120]}", file=sys.stdout)
+        else:
+            print(f"mlflow      sweep run {sweep.parent_run_id}", flush=True)
+            print("\n".join(tracking.sweep_links(sweep.uri, sweep.parent_run_id)),
+                  flush=True)

@@ -21,12 +21,14 @@ from pathlib import Path
 
 from ..atomic_io import write_text_atomic
 from ..runtime.jobdir import PLAN_FILE, SUMMARY_FILE, read_json
+from .headline import mfu_both
 
 COMPARISON_MD = "comparison.md"
 COMPARISON_CSV = "comparison.csv"
 MFU_PNG = "mfu.png"
 BREAKDOWN_PNG = "step_breakdown.png"
 THROUGHPUT_PNG = "throughput.png"
+POINTS_PNG = "points.png"  # final loss and MFU (or tokens/s) per point: the parent run's chart
 COMM_PROFILE_PNG = "comm_profile.png"  # alpha-beta fits of the cluster's collectives
 
 
@@ -37,22 +39,6 @@ def _num(value) -> float | None:
 def _ms(seconds) -> float | None:
     s = _num(seconds)
     return None if s is None else 1000 * s
-
-
-def _mfu_both(summary: dict, plan: dict) -> tuple[float | None, float | None]:
-    """MFU under the Megatron and the PaLM FLOPs definitions. `mfu` is under the run's
-    definition; the other one follows from the ratio of FLOPs per token in plan.json."""
-    definition = summary.get("flops_definition") or plan.get("flops_definition") or "megatron"
-    per_token = next((d for d in (plan.get("flops_per_token"), summary.get("flops_per_token")) if isinstance(d, dict)), {})
-    mfu = {}
-    if _num(summary.get("mfu")) is not None:
-        mfu[definition] = _num(summary["mfu"])
-    if _num(summary.get("mfu_palm")) is not None:
-        mfu["palm"] = _num(summary["mfu_palm"])
-    for other in ("megatron", "palm"):
-        if other not in mfu and definition in mfu and _num(per_token.get(other)) and _num(per_token.get(definition)):
-            mfu[other] = mfu[definition] * per_token[other] / per_token[definition]
-    return mfu.get("megatron"), mfu.get("palm")
 
 
 def point_label(point: dict) -> str:
@@ -93,7 +79,7 @@ def point_row(sweep_dir: Path, record, point: dict) -> dict:
     comm = summary.get("communication") if isinstance(summary.get("communication"), dict) else {}
     groups = comm.get("by_group") if isinstance(comm.get("by_group"), dict) else {}
     varied = set(swept_keys(record.overrides))
-    mfu, mfu_palm = _mfu_both(summary, plan)
+    mfu, mfu_palm = mfu_both(summary, plan)
     estimate = _num(summary.get("memory_estimate_gib"))
     return {
         "num": point["num"],
@@ -112,6 +98,7 @@ def point_row(sweep_dir: Path, record, point: dict) -> dict:
         "exposed_comm_ms": _ms(comm.get("exposed_comm_s")),
         "exposed_ms": {g: _ms(v.get("exposed_s")) for g, v in groups.items() if isinstance(v, dict)},
         "idle_ms": _ms(comm.get("idle_s")),
+        "final_loss": _num(summary.get("last_loss")),
         "error": point.get("error", ""),
     }
 
@@ -131,8 +118,36 @@ class SweepReport:
         return ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no points"
 
     def best_metrics(self) -> dict[str, float]:
-        keys = ("mfu", "mfu_palm", "tokens_per_s_per_gpu")
-        return {k: self.best[k] for k in keys if self.best and self.best.get(k) is not None}
+        """The best point's headline metrics (gridwright.tracking.headline names): the
+        parent run's row in the runs table shows them."""
+        if not self.best:
+            return {}
+        b = self.best
+        values = {"tok_s_gpu": b["tokens_per_s_per_gpu"], "mfu_megatron_pct": _scaled(b["mfu"], 100),
+                  "mfu_palm_pct": _scaled(b["mfu_palm"], 100), "step_ms": b["step_time_ms"],
+                  "exposed_comm_ms": b["exposed_comm_ms"], "peak_mem_gib": b["memory_peak_gib"],
+                  "final_loss": b["final_loss"],
+                  **{f"exposed_{g}_ms": ms for g, ms in b["exposed_ms"].items()}}
+        return {k: v for k, v in values.items() if v is not None}
+
+    def terminal_lines(self) -> list[str]:
+        """The end-of-sweep table: one line per point, the numbers of the comparison."""
+        head = (f"  {'#':>2}  {'point':<34} {'status':<9} {'tok/s/GPU':>10} {'MFU %':>6} {'step ms':>8} "
+                f"{'exposed ms':>10} {'peak GiB':>8} {'loss':>7}")
+        lines = [head]
+        for r in self.rows:
+            lines.append(
+                f"  {r['num']:>2}  {(r['name'] or r['label'])[:34]:<34} {r['status']:<9} "
+                f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f'):>10} {_fmt(r['mfu'], '.1f', 100):>6} "
+                f"{_fmt(r['step_time_ms'], '.1f'):>8} {_fmt(r['exposed_comm_ms'], '.1f'):>10} "
+                f"{_fmt(r['memory_peak_gib'], '.2f'):>8} {_fmt(r['final_loss'], '.4f'):>7}")
+            if r["error"]:
+                lines.append(f"      {r['error'][:150]}")
+        return lines
+
+
+def _scaled(value, scale: float):
+    return None if value is None else value * scale
 
 
 def groups_of(rows: list[dict]) -> list[str]:
@@ -179,6 +194,7 @@ def comparison_markdown(record, rows: list[dict], notes: list[str]) -> str:
         ("compute (ms)", lambda r: _fmt(r["compute_ms"], ".1f")),
         *[(f"exposed {g} (ms)", lambda r, g=g: _fmt(r["exposed_ms"].get(g), ".1f")) for g in groups],
         ("idle (ms)", lambda r: _fmt(r["idle_ms"], ".1f")),
+        ("final loss", lambda r: _fmt(r["final_loss"], ".4f")),
     ]
     shown = [c for c in measured if any(c[1](r) for r in rows)]
     empty = [c[0] for c in measured if c not in shown]
@@ -205,7 +221,7 @@ def comparison_csv(rows: list[dict]) -> str:
     groups = groups_of(rows)
     cols = ["num", "name", "point", "status", "layout", "tokens_per_s_per_gpu", "mfu", "mfu_palm", "step_time_ms",
             "memory_peak_gib", "memory_estimate_gib", "compute_ms", "exposed_comm_ms",
-            *[f"exposed_{g}_ms" for g in groups], "idle_ms", "error"]
+            *[f"exposed_{g}_ms" for g in groups], "idle_ms", "final_loss", "error"]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(cols)
@@ -252,6 +268,36 @@ def plot_mfu(rows: list[dict], path: Path) -> Path | None:
     ax.set_ylabel("MFU (%)")
     ax.set_title("MFU per point (two FLOPs definitions)")
     ax.legend(loc="upper center", ncols=2)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_points(rows: list[dict], path: Path) -> Path | None:
+    """The sweep's chart: final loss and MFU per point, side by side (tokens/s/GPU where no
+    point knows its MFU, as on a CPU)."""
+    shown = [r for r in rows if r["final_loss"] is not None]
+    if not shown:
+        return None
+    by_mfu = any(r["mfu"] is not None for r in shown)
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(shown) + 4), 4))
+    x, labels = range(len(shown)), [r["label"] for r in shown]
+    left.bar(x, [r["final_loss"] for r in shown], color="tab:orange")
+    left.set_ylabel("final loss")
+    left.set_title("Final loss per point")
+    if by_mfu:
+        right.bar(x, [100 * (r["mfu"] or 0) for r in shown])
+        right.set_ylabel("MFU (%), Megatron FLOPs")
+        right.set_title("MFU per point")
+    else:
+        right.bar(x, [r["tokens_per_s_per_gpu"] or 0 for r in shown])
+        right.set_ylabel("tokens/s per GPU")
+        right.set_title("Throughput per point (no MFU: the peak is unknown)")
+    for ax in (left, right):
+        ax.set_xticks(list(x), labels, rotation=30, ha="right")
+    fig.tight_layout()
     try:
         return _save(fig, path)
     finally:
@@ -330,7 +376,8 @@ def write_report(sweep_dir: Path, record) -> SweepReport:
     rows = [point_row(sweep_dir, record, p) for p in record.points]
     report = SweepReport(rows)
     report.best, report.best_by = best_row(rows)
-    plots = ((MFU_PNG, plot_mfu, "no point reports MFU (the GPU's peak is unknown, or nothing trained)"),
+    plots = ((POINTS_PNG, plot_points, "no point trained: no loss to chart"),
+             (MFU_PNG, plot_mfu, "no point reports MFU (the GPU's peak is unknown, or nothing trained)"),
              (BREAKDOWN_PNG, plot_step_breakdown, "no point has communication measurements: no step breakdown"),
              (THROUGHPUT_PNG, plot_throughput, "no point trained: no throughput plot"))
     try:

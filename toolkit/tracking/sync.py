@@ -3,9 +3,10 @@
 For runs made where MLflow is not installed or was switched off (`tracking=off`, as on
 the GPU machines). Each job directory has a stable id (`job.json`) and each sweep one
 (`sweep.json`); a run carrying that id is never logged twice, so syncing again logs
-only what is missing. A job directory becomes one run (params, step metrics from
-metrics.jsonl, the summary as `summary.*` metrics, its files as artifacts, FINISHED when
-it left summary.json, else FAILED); a sweep directory becomes a parent run with a
+only what is missing. A job directory becomes one run (params, the curves of
+metrics.jsonl and the summary's headline metrics (gridwright.tracking.headline), its files
+as artifacts, FINISHED when it left summary.json, else FAILED; its start and end times from
+its own records); a sweep directory becomes a parent run with a
 nested run per point and the comparison table and plots (gridwright.tracking.sweep_report).
 
 The store: --tracking-uri, else MLFLOW_TRACKING_URI, else the job's own `tracking.uri`

@@ -21,7 +21,7 @@ BROKEN = {
                             "model.num_query_groups=4", "model.hidden_size=4608"],
                     ["num_attention_heads=36 is not divisible by parallel.tp=8"]),
     "query_groups_vs_tp": (GPU8 + ["model=llama3_8b", "parallel.tp=8", "model.num_query_groups=4"],
-                           ["num_query_groups=4", "parallel.tp=8", "Fix: choose a TP among [1, 2, 4]"]),
+                           ["num_query_groups=4", "parallel.tp=8", "Fix: parallel.tp=4"]),
     "experts_vs_ep": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "parallel.ep=8", "model.num_experts=12"],
                       ["num_experts=12 is not divisible by parallel.ep=8"]),
     "ep_without_experts": (["parallel.ep=2"], ["parallel.ep=2", "no experts"]),

@@ -106,18 +106,32 @@ def presets_for_model(model: str) -> list[str]:
     return out
 
 
+def preset_sets_train(name: str) -> bool:
+    """Whether an experiment preset, or one it builds on, sets its own training settings
+    (train.seq_length) rather than keeping the root's."""
+    preset = OmegaConf.load(CONF_DIR / "experiment" / f"{name}.yaml")
+    if "seq_length" in (preset.get("train") or {}):
+        return True
+    return any(isinstance(e, str) and e != "_self_" and preset_sets_train(e) for e in preset.get("defaults") or [])
+
+
 def composition_notes(cfg) -> list[str]:
     """Root defaults that a run probably did not mean to keep: worth a word, not a refusal.
 
     The root config is sized for the tiny model on a CPU; choosing a large model or a GPU
     cluster without a preset keeps its training settings and fp32 unless told otherwise.
+    A note suggests only what is not chosen already: no preset the run was composed from,
+    and none where a preset of the model keeps the root's settings itself (they suit it).
     """
     notes = []
     root = root_config()
     kept = {k: v for k, v in root.train.items() if cfg.train[k] == v}
-    if cfg.model.name != root_defaults().get("model") and "seq_length" in kept:
-        presets = presets_for_model(cfg.model.name)
-        hint = (f"start from a preset for {cfg.model.name} (" + ", ".join(f"+experiment={p}" for p in presets)
+    presets = presets_for_model(cfg.model.name)
+    if (cfg.model.name != root_defaults().get("model") and "seq_length" in kept
+            and cfg.name not in presets and all(preset_sets_train(p) for p in presets)):
+        # A run composed from a preset swaps it (`experiment=X`); `+experiment=X` would add a second.
+        plus = "" if (CONF_DIR / "experiment" / f"{cfg.name}.yaml").is_file() else "+"
+        hint = (f"start from a preset for {cfg.model.name} (" + ", ".join(f"{plus}experiment={p}" for p in presets)
                 + ") or set them" if presets else "set them")
         notes.append(
             f"these train.* values are the root defaults, sized for {root_defaults()['model']} on a CPU: "

@@ -6,9 +6,12 @@ user fixes a broken layout in one round instead of one error at a time.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
+from contextlib import contextmanager
+from dataclasses import replace
 
 from omegaconf import OmegaConf
 
@@ -17,7 +20,8 @@ from ..engines.registry import is_known, rules
 from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout
 from .schema import declared_choices
-from ..planning.machine_probe import probe
+from ..planning.machine_probe import host_memory_bytes, probe
+from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
 from ..versions.megatron_version import refusal as megatron_core_refusal
 from ..planning.placement import Placement, plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan, predict_communication
@@ -26,6 +30,9 @@ TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals
 # The formats torchao's recipes fix (Float8LinearConfig.from_recipe_name)
 TORCHAO_FP8_FORMATS = {"tensorwise": "hybrid", "rowwise": "e4m3"}
 TORCHAO_FORMAT_WORDS = {"hybrid": "E4M3 forward and E5M2 for gradients", "e4m3": "E4M3 everywhere"}
+# The precision preset (conf/precision/) of each FP8 recipe
+FP8_PRESETS = {"delayed": "fp8_delayed", "tensorwise": "fp8_tensorwise", "rowwise": "fp8_rowwise",
+               "blockwise": "fp8_blockwise", "mxfp8": "mxfp8"}
 
 
 class ConfigError(ValueError):
@@ -36,6 +43,75 @@ class ConfigError(ValueError):
         super().__init__(
             "the experiment is invalid; nothing was started:\n" + "\n".join(f"  - {p}" for p in problems)
         )
+
+
+# Fixes ----------------------------------------------------------------------
+# A problem's advice follows "Fix: ". Its first suggestion is either a run of Hydra
+# overrides (`key=value` words, ended by punctuation or by the first other word), which
+# `fix_overrides` reads and a user or a tool adds to the command line, or, where no
+# override helps, an action in words ("rm ... && python -m ..."). Where the override is
+# computed (a divisor, a layout, a memory saving) it was tried on the config first: it
+# answers the problem, passes the layout rules, and never repeats a value already set.
+OVERRIDE_WORD = re.compile(r"[+~]?[A-Za-z_][\w.]*=\S+")
+
+
+def fix_overrides(problem: str) -> list[str] | None:
+    """The first suggestion of `problem`'s Fix as overrides; None where it is an action in words."""
+    if "Fix: " not in problem:
+        return None
+    out = []
+    for word in problem.split("Fix: ", 1)[1].split():
+        bare = word.rstrip(",;.")
+        if not OVERRIDE_WORD.fullmatch(bare):
+            break
+        out.append(bare)
+        if bare != word:  # punctuation ends the suggestion
+            break
+    return out or None
+
+
+def _words(overrides: dict) -> str:
+    """Overrides as command-line words: `parallel.tp=4 parallel.sp=true`."""
+    def value(v):
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return " ".join(f"{k}={value(v)}" for k, v in overrides.items())
+
+
+def _fix(found: dict | None, otherwise: str) -> str:
+    """The Fix: the overrides found, or the advice in words where none were found."""
+    return f"Fix: {_words(found)}" if found else f"Fix: {otherwise}"
+
+
+def _near(current: int, options) -> list[int]:
+    """`options` other than `current`, nearest first: the smaller ones downwards, then the larger."""
+    return sorted((o for o in options if o < current), reverse=True) + sorted(o for o in options if o > current)
+
+
+def _layout_passes(model, train, layout: ParallelLayout) -> bool:
+    """Whether a candidate layout passes every rule that depends on it: a degree or batch
+    offered as a fix is tried against these first."""
+    return not (layout.problems() or _division_problems(model, train, layout, advise=False)
+                or check_context_parallel(train, layout, model) or check_batch(train, layout))
+
+
+def _first_passing(model, train, candidates) -> dict | None:
+    """The overrides of the first (overrides, layout) candidate whose layout passes."""
+    return next((overrides for overrides, layout in candidates if _layout_passes(model, train, layout)), None)
+
+
+@contextmanager
+def _tried(cfg, overrides: dict):
+    """`cfg` as a fix would leave it: the dotted `overrides` applied in place, and undone on
+    leaving (a fix search tries dozens; copying the config costs more than checking it)."""
+    before = {key: OmegaConf.select(cfg, key) for key in overrides}
+    try:
+        for key, value in overrides.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+        yield cfg
+    finally:
+        for key, value in before.items():
+            OmegaConf.update(cfg, key, value, merge=False)
 
 
 # Rules ----------------------------------------------------------------------
@@ -51,7 +127,7 @@ def check_choices(cfg) -> list[str]:
     if cfg.train.warmup_steps >= cfg.train.steps >= 1:
         out.append(
             f"train.warmup_steps={cfg.train.warmup_steps} must be below train.steps={cfg.train.steps} "
-            "(the cosine decay needs steps after the warm-up)."
+            f"(the cosine decay needs steps after the warm-up). Fix: train.warmup_steps={cfg.train.steps // 10}."
         )
     if cfg.zero.stage not in (0, 1, 2, 3):
         out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3.")
@@ -145,76 +221,109 @@ def check_paths(cfg) -> list[str]:
 
 
 def check_model_split(model, train, layout: ParallelLayout) -> list[str]:
+    """The model's own shape, and how the layout splits it."""
     m, out = model, []
-    tp, pp = layout.tp, layout.pp
     if m.num_attention_heads % m.num_query_groups:
         out.append(
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"model.num_query_groups={m.num_query_groups} (GQA needs whole query groups)."
         )
-    if m.num_attention_heads % tp:
-        out.append(
-            f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}. "
-            f"Fix: choose a TP among {_divisors(m.num_attention_heads)}."
-        )
-    if m.num_query_groups % tp:
-        out.append(
-            f"model.num_query_groups={m.num_query_groups} (key/value heads) is not divisible by "
-            f"parallel.tp={tp}. Fix: choose a TP among {_divisors(m.num_query_groups)}."
-        )
-    if m.ffn_hidden_size % tp:
-        out.append(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={tp}.")
     if m.family in FAMILIES:
         out += family_problems(dict(m))
-    if m.vocab_size % tp:
+    if m.num_experts and m.moe_router_topk > m.num_experts:
+        out.append(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}. "
+                   f"Fix: model.moe_router_topk={m.num_experts}.")
+    if train.seq_length > m.max_position_embeddings:
         out.append(
-            f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp} (Megatron-Core's "
-            f"vocabulary-parallel embedding splits it evenly). Fix: choose a TP among {_divisors(m.vocab_size)[:8]}."
+            f"train.seq_length={train.seq_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}. Fix: train.seq_length={m.max_position_embeddings}."
         )
+    return out + _division_problems(model, train, layout)
+
+
+# What tensor parallelism splits, where the name does not say it
+TP_SPLITS = {"model.num_query_groups": " (the key/value heads are split)",
+             "model.vocab_size": " (Megatron-Core's vocabulary-parallel embedding splits it evenly)"}
+
+
+def _division_problems(model, train, layout: ParallelLayout, advise: bool = True) -> list[str]:
+    """How the layout's degrees divide the model. With `advise`, each problem's Fix is a
+    degree tried against every layout rule (without, the rules only answer yes or no)."""
+    m, out = model, []
+    tp, pp = layout.tp, layout.pp
+
+    def fix(candidates, otherwise: str) -> str:
+        return _fix(_first_passing(m, train, candidates) if advise else None, otherwise)
+
+    tp_fix = ""
+    for size, path in ((m.num_attention_heads, "model.num_attention_heads"), (m.num_query_groups, "model.num_query_groups"),
+                       (m.ffn_hidden_size, "model.ffn_hidden_size"), (m.vocab_size, "model.vocab_size")):
+        if size % tp:
+            tp_fix = tp_fix or fix(_tp_candidates(m, layout), f"choose a TP that divides {path}={size}.")
+            out.append(f"{path}={size} is not divisible by parallel.tp={tp}{TP_SPLITS.get(path, '')}. {tp_fix}")
     if m.num_layers % pp:
+        pp_candidates = [({"parallel.pp": d} | ({"parallel.vpp": None} if vpp != layout.vpp else {}),
+                          replace(layout, pp=d, vpp=vpp))
+                         for d in _near(pp, _divisors(m.num_layers))
+                         for vpp in dict.fromkeys((layout.vpp if d > 1 else None, None))]
         out.append(
             f"model.num_layers={m.num_layers} is not divisible by parallel.pp={pp}. "
-            f"Fix: choose a PP among {_divisors(m.num_layers)}."
+            + fix(pp_candidates, f"choose a PP among {_divisors(m.num_layers)}.")
         )
     elif layout.vpp and (m.num_layers // pp) % layout.vpp:
+        per_stage = m.num_layers // pp
+        vpp_candidates = [({"parallel.vpp": v}, replace(layout, vpp=v))
+                          for v in _near(layout.vpp, _divisors(per_stage)) if v > 1] + [
+                         ({"parallel.vpp": None}, replace(layout, vpp=None))]
         out.append(
-            f"model.num_layers={m.num_layers} over parallel.pp={pp} gives {m.num_layers // pp} layers "
+            f"model.num_layers={m.num_layers} over parallel.pp={pp} gives {per_stage} layers "
             f"per stage, not divisible into parallel.vpp={layout.vpp} virtual stages. "
-            f"Fix: choose a VPP among {_divisors(m.num_layers // pp)}."
+            + fix(vpp_candidates, f"choose a VPP among {_divisors(per_stage)}.")
         )
     if m.num_experts:
         if m.num_experts % layout.ep:
+            ep_candidates = [({"parallel.ep": d}, replace(layout, ep=d)) for d in _near(layout.ep, _divisors(m.num_experts))]
             out.append(
                 f"model.num_experts={m.num_experts} is not divisible by parallel.ep={layout.ep}. "
-                f"Fix: choose an EP among {_divisors(m.num_experts)}."
+                + fix(ep_candidates, f"choose an EP among {_divisors(m.num_experts)}.")
             )
         if tp > 1 and not layout.sp:
             out.append(
                 f"an MoE model with parallel.tp={tp} needs parallel.sp=true (Megatron-Core refuses MoE with "
-                "TP but without sequence parallelism)."
+                "TP but without sequence parallelism). Fix: parallel.sp=true."
             )
-        if m.moe_router_topk > m.num_experts:
-            out.append(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_experts={m.num_experts}.")
     elif layout.ep > 1 or layout.etp != layout.tp:
+        dense = ({"parallel.ep": 1} if layout.ep > 1 else {}) | ({"parallel.etp": None} if layout.etp != layout.tp else {})
         out.append(
             f"parallel.ep={layout.ep} / parallel.etp={layout.etp} set for model '{m.name}', "
-            "which has no experts. Fix: set parallel.ep=1 and parallel.etp=null, or pick an MoE model."
-        )
-    if train.seq_length > m.max_position_embeddings:
-        out.append(
-            f"train.seq_length={train.seq_length} exceeds model.max_position_embeddings="
-            f"{m.max_position_embeddings}."
+            f"which has no experts. Fix: {_words(dense)}, or pick an MoE model."
         )
     return out
 
 
-def check_context_parallel(train, layout: ParallelLayout) -> list[str]:
-    s, cp = train.seq_length, layout.cp
-    if cp > 1 and s % (2 * cp):
+def _tp_candidates(model, layout: ParallelLayout, cap: int | None = None) -> list[tuple[dict, ParallelLayout]]:
+    """Other TPs that divide the attention heads, nearest first (at most `cap`), each with
+    the sequence parallelism it needs: on for an MoE model, off at TP=1."""
+    out = []
+    for d in _near(layout.tp, _divisors(model.num_attention_heads)):
+        if cap and d > cap:
+            continue
+        sp = (layout.sp or bool(model.num_experts)) if d > 1 else False
+        etp = d if layout.etp == layout.tp else layout.etp  # a null expert TP follows TP
+        overrides = {"parallel.tp": d} | ({"parallel.sp": sp} if sp != layout.sp else {})
+        out.append((overrides, replace(layout, tp=d, sp=sp, etp=etp)))
+    return out
+
+
+def check_context_parallel(train, layout: ParallelLayout, model) -> list[str]:
+    s, unit = train.seq_length, 2 * layout.cp
+    if layout.cp > 1 and s % unit:
+        up, down = -(-s // unit) * unit, s // unit * unit
+        fitting = up if up <= model.max_position_embeddings or down == 0 else down
         return [
-            f"train.seq_length={s} is not divisible by 2*parallel.cp={2 * cp} (context parallel "
+            f"train.seq_length={s} is not divisible by 2*parallel.cp={unit} (context parallel "
             "splits each sequence into 2*CP chunks for load balance). "
-            f"Fix: use a sequence length that is a multiple of {2 * cp}."
+            f"Fix: train.seq_length={fitting} (a multiple of {unit})."
         ]
     return []
 
@@ -225,7 +334,7 @@ def check_batch(train, layout: ParallelLayout) -> list[str]:
         return [
             f"train.global_batch_size={train.global_batch_size} is not micro-batch x accumulation x DP: "
             f"micro_batch_size={train.micro_batch_size} x DP={layout.dp} = {unit} does not divide it. "
-            f"Fix: use a global batch that is a multiple of {unit}."
+            f"Fix: train.global_batch_size={-(-train.global_batch_size // unit) * unit} (a multiple of {unit})."
         ]
     return []
 
@@ -255,15 +364,17 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         if p.fp8_backend != "torchao":
             out.append(
                 f"FP8 (precision.fp8_recipe={p.fp8_recipe}) needs CUDA GPUs; cluster '{cfg.cluster.name}' "
-                "runs on cpu. Fix: precision=bf16, a GPU cluster, or precision.fp8_backend=torchao "
-                "(FP8 arithmetic emulated, for tests)."
+                f"runs on cpu. Fix: {_words(_to_recipe(p, None))} (bf16 without FP8), a GPU cluster, or "
+                "precision.fp8_backend=torchao (FP8 arithmetic emulated, for tests)."
             )
     elif not torchao_asked and p.fp8_recipe not in gpu.fp8_recipes or torchao_asked and not gpu.fp8_recipes:
         supported = ", ".join(gpu.fp8_recipes) or "none"
+        other = None if torchao_asked else next((r for r in gpu.fp8_recipes if r in FP8_PRESETS), None)
         out.append(
             f"GPU kind {gpu.name} does not support FP8 recipe '{p.fp8_recipe}' (it supports: {supported}). "
             + ("MXFP8 needs Blackwell (B200/GB200). " if p.fp8_recipe == "mxfp8" else "")
-            + "Fix: pick a supported recipe or precision=bf16."
+            + f"Fix: {_words(_to_recipe(p, other))}"
+            + (f" (a supported recipe), or {_words(_to_recipe(p, None))}." if other else " (bf16 without FP8).")
         )
     if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
         out.append("precision.fp8_recipe=blockwise uses E4M3 everywhere: set precision.fp8_format=e4m3.")
@@ -271,6 +382,17 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
         te = cfg.cluster.device == "cuda" and probe(transformer_engine=True).transformer_engine
         out += fp8_machine_problems(cfg, te)
     return out
+
+
+def _to_recipe(precision, recipe: str | None) -> dict:
+    """The overrides that make `precision` run `recipe` (None: bf16 without FP8): its preset
+    where the current recipe came from one, else the key itself (an override of the key
+    would outlive a change of preset)."""
+    p = precision
+    from_preset = p.name == FP8_PRESETS.get(p.fp8_recipe)
+    if recipe is None:
+        return {"precision": "bf16"} if from_preset else {"precision.fp8_recipe": None}
+    return {"precision": FP8_PRESETS[recipe]} if from_preset else {"precision.fp8_recipe": recipe}
 
 
 def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
@@ -284,13 +406,13 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
         return []
     torchao_asked = _torchao_asked(p)
     if backend == "transformer_engine":
-        return [fp8_without_te(p.fp8_recipe)]
+        return [fp8_without_te(p)]
     if te_available:  # torchao asked for where TE imports: TE's layer spec would be built, without torchao
         return [f"precision.fp8_backend=torchao (or recipe {p.fp8_recipe}) runs inside the torch-native layer spec, "
                 "but Transformer Engine imports here and its spec is used. Fix: precision.fp8_backend=transformer_engine "
                 "or auto with a Transformer Engine recipe."]
     if not torchao_asked and p.fp8_recipe not in TORCHAO_FP8_RECIPES:
-        return [fp8_without_te(p.fp8_recipe)]
+        return [fp8_without_te(p)]
     if not torchao_available():
         return [TORCHAO_MISSING]
     return [] if torchao_asked else _torchao_fp8_problems(p, cfg.model, cfg.engine)  # auto fell back to torchao: its rules apply now
@@ -328,11 +450,21 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def fp8_without_te(recipe: str) -> str:
-    return (f"FP8 needs Transformer Engine for recipe '{recipe}' here (torchao runs only tensorwise and rowwise), "
-            "and Transformer Engine cannot be imported. Megatron-Core would silently train in bf16 while the config "
-            "says FP8, so gridwright refuses. Fix: install Transformer Engine (CUDA + cuDNN), "
-            "precision=fp8_tensorwise or fp8_rowwise (torchao), or precision=bf16.")
+def fp8_without_te(precision) -> str:
+    """FP8 asked of Transformer Engine where it does not import; the first fix runs FP8 through torchao."""
+    p = precision
+    if p.fp8_recipe in TORCHAO_FP8_RECIPES:  # Transformer Engine named explicitly
+        torchao = {"precision.fp8_backend": "torchao"}
+    else:
+        torchao = _to_recipe(p, "tensorwise")
+        if "precision.fp8_recipe" in torchao and p.fp8_format != TORCHAO_FP8_FORMATS["tensorwise"]:
+            torchao["precision.fp8_format"] = TORCHAO_FP8_FORMATS["tensorwise"]
+        if p.fp8_backend == "transformer_engine":
+            torchao["precision.fp8_backend"] = "auto"
+    return (f"FP8 needs Transformer Engine for recipe '{p.fp8_recipe}' here (torchao runs only tensorwise and "
+            "rowwise), and Transformer Engine cannot be imported. Megatron-Core would silently train in bf16 while "
+            f"the config says FP8, so gridwright refuses. Fix: {_words(torchao)} (FP8 through torchao), "
+            f"{_words(_to_recipe(p, None))}, or install Transformer Engine (CUDA + cuDNN).")
 
 
 TORCHAO_MISSING = "precision.fp8_backend=torchao needs torchao, which is not installed here: pip install torchao."
@@ -405,7 +537,8 @@ def check_engine(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
     return out
 
 
-def check_data(data, model, launcher) -> list[str]:
+def check_data(data, model, parallel, launcher) -> list[str]:
+    from ..data.data_source import expected_bin_bytes
     from ..data.prepare_data import dataset_info
 
     d, out = data, []
@@ -425,38 +558,66 @@ def check_data(data, model, launcher) -> list[str]:
     for prefix in d.paths:
         missing = [prefix + s for s in (".bin", ".idx") if not os.path.exists(prefix + s)]
         if missing:
-            out.append(f"dataset files missing: {', '.join(missing)}. Fix: run gridwright.data.prepare_data first.")
+            out.append(f"dataset files missing: {', '.join(missing)}. Fix: python -m gridwright.data.prepare_data "
+                       f"--input YOUR_TEXT.jsonl --output-prefix {prefix}")
             continue
         try:
             info = dataset_info(prefix)
+            expected = expected_bin_bytes(prefix)
         except (OSError, ValueError) as e:
             out.append(str(e))
             continue
+        size = os.path.getsize(prefix + ".bin")
+        if size != expected:
+            out.append(f"{prefix}.bin holds {size:,} bytes, but {prefix}.idx describes {expected:,}: the dataset is "
+                       f"{'truncated' if size < expected else 'not the one its index was written for'}. "
+                       f"Fix: {_remake_dataset(prefix, info)}")
+            continue
         tokenizers.add(info["tokenizer"])
-        out += _split_problems(prefix, info["documents"], d.split)
+        out += _data_split_problems(prefix, info["documents"], d)
         if info["vocab_size"] > model.vocab_size:
+            tp = max(1, parallel.tp)  # a multiple of TP (the embedding's split); TP<1 is refused elsewhere
+            fitting = -(-info["vocab_size"] // tp) * tp
             out.append(
                 f"{prefix} was tokenized with a vocabulary of {info['vocab_size']} ({info['tokenizer']}), larger "
-                f"than model.vocab_size={model.vocab_size}. Fix: model.vocab_size>={info['vocab_size']}."
+                f"than model.vocab_size={model.vocab_size}. Fix: model.vocab_size={fitting}."
             )
     if len(tokenizers) > 1:
         out.append(f"data.paths were made with different tokenizers: {sorted(tokenizers)}.")
     return out
 
 
-def _split_problems(prefix: str, documents: int, split: str) -> list[str]:
-    """Each split with a nonzero share needs a document (Megatron-Core loops forever on an empty one)."""
+def _remake_dataset(prefix: str, info: dict) -> str:
+    """The commands that write `prefix` again from the inputs its .json records
+    (prepare_data never overwrites, so the old files go first)."""
+    from shlex import quote
+
+    inputs = " ".join(quote(p) for p in info.get("inputs") or ["YOUR_TEXT.jsonl"])
+    files = " ".join(quote(prefix + s) for s in (".bin", ".idx", ".json"))
+    return (f"rm {files} && python -m gridwright.data.prepare_data --input {inputs} "
+            f"--output-prefix {quote(prefix)} --tokenizer {quote(info.get('tokenizer', 'byte'))}")
+
+
+def _data_split_problems(prefix: str, documents: int, data) -> list[str]:
+    """Each split with a nonzero share needs a document (Megatron-Core loops forever on an
+    empty one). The Fix gives the starved validation and test shares 0 (and stops validation)."""
+    split = data.split
     try:
         shares = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         return [f"data.split='{split}' must be comma-separated numbers, e.g. 98,2,0."]
     total = sum(shares)
     names = ("train", "validation", "test")
+    starved = [i for i, share in enumerate(shares[:3]) if share > 0 and documents * share / total < 1]
+    fix = {}
+    if starved and 0 not in starved:
+        fix["data.split"] = "/".join("0" if i in starved else f"{share:g}" for i, share in enumerate(shares))
+        if 1 in starved and data.eval_interval:
+            fix["data.eval_interval"] = 0
     return [
-        f"{prefix} has {documents} documents: the {names[i]} share {share:g}/{total:g} of data.split='{split}' "
-        "gets none. Fix: more documents, or a share of 0 for that split."
-        for i, share in enumerate(shares[:3])
-        if share > 0 and documents * share / total < 1
+        f"{prefix} has {documents} documents: the {names[i]} share {shares[i]:g}/{total:g} of data.split='{split}' "
+        "gets none. " + _fix(fix, "more documents, or a share of 0 for that split.")
+        for i in starved
     ]
 
 
@@ -497,7 +658,7 @@ def check_checkpoint(cfg) -> list[str]:
         if not same:
             out.append(
                 f"checkpoint.save={ck.save} already holds checkpoints of another run; gridwright does not "
-                "mix runs. Fix: resume with checkpoint.load set to the same directory, or save elsewhere."
+                f"mix runs. Fix: checkpoint.load={ck.save} to resume that run, or save elsewhere."
             )
     return out
 
@@ -535,8 +696,8 @@ def check_launcher(launcher, cluster, for_launch: bool) -> list[str]:
                      if facts.torch else f"torch cannot be imported here ({facts.error})")
             return [
                 f"cluster '{cluster.name}' runs {cluster.gpus_per_node} process(es) on CUDA GPUs, but {found}. "
-                "Fix: a CPU cluster (cluster=laptop), a cluster that fits this machine, or launcher=plan, "
-                "torchrun or slurm to plan or emit the job for a GPU machine."
+                "Fix: launcher=plan to inspect the plan here, launcher=slurm or launcher=torchrun to emit the job "
+                "for the GPU machines, or an experiment sized for this machine (+experiment=tiny_llama_cpu)."
             ]
     return []
 
@@ -549,20 +710,21 @@ def check_tracking(tracking, launcher) -> list[str]:
     if not (tracking.enabled and launcher.name == "local"):
         return []
     if importlib.util.find_spec("mlflow") is None:
-        return ["tracking is on, but MLflow is not installed here. Fix: pip install mlflow==3.17.2, or "
-                "tracking=off (the job directory keeps everything; `python -m gridwright.tracking.sync DIR` logs it later)."]
+        return ["tracking is on, but MLflow is not installed here. Fix: tracking=off (the job directory keeps "
+                "everything; `python -m gridwright.tracking.sync DIR` logs it later), or pip install mlflow==3.17.2."]
     from ..tracking.store import store_problem, tracking_uri
 
     problem = store_problem(tracking_uri(tracking))
     if problem:
-        return [f"{problem}. Fix: point tracking.uri (or MLFLOW_TRACKING_URI) at a store that works (move a "
-                "damaged file aside), or tracking=off (the job directory keeps everything; `python -m gridwright.tracking.sync DIR` logs "
-                "it later)."]
+        return [f"{problem}. Fix: tracking=off (the job directory keeps everything; `python -m "
+                "gridwright.tracking.sync DIR` logs it later), or point tracking.uri (or MLFLOW_TRACKING_URI) at a "
+                "store that works (move a damaged file aside)."]
     return []
 
 
-def check_nvlink_domains(parallel, model, placement: Placement) -> list[str]:
-    out, d = [], placement.layout.nvlink_domain_size
+def check_nvlink_domains(parallel, model, train, placement: Placement, advise: bool = True) -> list[str]:
+    out, layout = [], placement.layout
+    d = layout.nvlink_domain_size
     for kind, allow, flag in (
         ("tp", parallel.allow_tp_across_nvlink, "parallel.allow_tp_across_nvlink"),
         ("etp_ep", parallel.allow_ep_across_nvlink, "parallel.allow_ep_across_nvlink"),
@@ -572,44 +734,139 @@ def check_nvlink_domains(parallel, model, placement: Placement) -> list[str]:
         crossing = placement.groups_crossing_domain(kind, d)
         if crossing:
             what = "tensor-parallel" if kind == "tp" else "expert-parallel (expert-TP x EP)"
-            out.append(
-                f"{len(crossing)} {what} group(s) span NVLink domains of {d} GPUs, e.g. ranks "
-                f"{crossing[0]}: their all-reduce / all-to-all would cross the network. "
-                f"Fix: make the group fit in {d} GPUs, or set {flag}=true."
-            )
+            problem = (f"{len(crossing)} {what} group(s) span NVLink domains of {d} GPUs, e.g. ranks "
+                       f"{crossing[0]}: their all-reduce / all-to-all would cross the network.")
+            out.append(f"{problem} {_domain_fix(model, train, layout, kind, flag)}" if advise else problem)
     return out
 
 
-def check_host_memory(model, cluster, launcher, plan: Plan) -> list[str]:
-    """A CPU run launched here keeps its weights, gradients and Adam's state in this
-    machine's memory (16 bytes a parameter in fp32, split over TP and PP): refuse a model
-    the machine cannot hold, before its processes allocate their way into the OOM killer."""
-    if cluster.device != "cpu" or launcher.name != "local":
+def _domain_fix(model, train, layout: ParallelLayout, kind: str, flag: str) -> str:
+    """The nearest smaller TP (or EP) whose groups stay inside the NVLink domain and pass the
+    layout rules; else the flag that accepts the crossing."""
+    d = layout.nvlink_domain_size
+    if kind == "tp":
+        candidates = _tp_candidates(model, layout, cap=d)
+    else:
+        candidates = [({"parallel.ep": e}, replace(layout, ep=e))
+                      for e in _near(layout.ep, _divisors(model.num_experts)) if e * layout.etp <= d]
+    inside = next((o for o, tried in candidates if _layout_passes(model, train, tried)
+                   and not plan_placement(tried).groups_crossing_domain(kind, d)), None)
+    if inside:
+        return f"Fix: {_words(inside)} (the group fits in {d} GPUs), or {flag}=true."
+    return f"Fix: {flag}=true (no group of {d} GPUs or fewer passes the layout rules)."
+
+
+# Of a machine's memory, the share a local CPU run may plan to use: the rest is the system's.
+HOST_MEMORY_SHARE = 0.9
+# The models to try a pipeline with on a CPU when the chosen one does not fit
+TINY_MODELS = {"dense": "tiny_llama", "moe": "tiny_mixtral"}
+
+
+def check_host_memory(cfg, plan: Plan, for_launch: bool) -> list[str]:
+    """A CPU run launched here keeps every process's weights, gradients, Adam state and
+    activations in this machine's memory: refuse a model the machine cannot hold, before its
+    processes allocate their way into the OOM killer. Other launchers run elsewhere."""
+    if cfg.cluster.device != "cpu" or cfg.launcher.name != "local" or not for_launch:
         return []
-    import psutil
+    processes, have = cfg.cluster.gpus_per_node, host_memory_bytes()
+    budget = HOST_MEMORY_SHARE * have
 
-    params, layout = plan.params.total, plan.layout
-    need = params / (layout.tp * layout.pp) * 16 * cluster.gpus_per_node
-    have = psutil.virtual_memory().total
-    if need <= have:
+    def fits(tried, layout) -> bool:
+        return host_memory_estimate(tried, layout).total_gib * GIB * processes <= budget
+
+    per = host_memory_estimate(cfg, plan.layout, plan.params)
+    if per.total_gib * GIB * processes <= budget:
         return []
-    return [f"model {model.name} has {params / 1e9:.3g} B parameters: its {cluster.gpus_per_node} CPU "
-            f"processes need about {need / 2**30:,.0f} GiB for weights, gradients and Adam's state, and this machine "
-            f"has {have / 2**30:,.0f} GiB. Fix: a smaller model, or launcher=plan, torchrun or slurm to plan or emit "
-            "the job for machines that hold it."]
+    found = _memory_fix(cfg, fits, more_nodes=False) or _tiny_model_fix(cfg)
+    return [f"model {cfg.model.name} ({plan.params.total / 1e9:.3g} B parameters) needs about "
+            f"{per.total_gib * processes:,.1f} GiB on {processes} CPU processes ({per.describe()} each), more than "
+            f"{HOST_MEMORY_SHARE:.0%} of this machine's {have / GIB:,.1f} GiB. "
+            + _fix(found, "a smaller model")
+            + ", or launcher=torchrun or slurm to emit the job for machines that hold it."]
 
 
-def check_memory(gpu, plan: Plan) -> list[str]:
+def _tiny_model_fix(cfg) -> dict | None:
+    """The tiny model of the same kind (dense or MoE), with a sequence its positions allow."""
+    from .compose import CONF_DIR
+
+    name = TINY_MODELS["moe" if cfg.model.num_experts else "dense"]
+    if cfg.model.name == name:
+        return None
+    tiny = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
+    found = {"model": name}
+    if cfg.train.seq_length > tiny.max_position_embeddings:
+        found["train.seq_length"] = tiny.max_position_embeddings
+    return found
+
+
+def _memory_fix(cfg, fits, more_nodes: bool) -> dict | None:
+    """The least change under which `fits(config, layout)` holds and every layout and engine
+    rule passes: full recompute, the distributed optimizer, micro-batch 1 (the fewest of these),
+    on the current layout, then on more TP or PP, then (GPU clusters) on more nodes."""
+    levers = [(k, v) for k, v, unset in (
+        ("train.recompute", "full", cfg.train.recompute != "full"),
+        ("zero.stage", 1, cfg.zero.stage == 0),
+        ("train.micro_batch_size", 1, cfg.train.micro_batch_size > 1)) if unset]
+    subsets = [dict(c) for n in range(len(levers) + 1) for c in itertools.combinations(levers, n)]
+    for layout_change in [{}] + _bigger_layouts(cfg, more_nodes):
+        if not _fits_with(cfg, layout_change | dict(levers), fits):
+            continue  # every lever on (the least memory there) does not fit this layout
+        for subset in subsets:
+            if (layout_change or subset) and _fits_with(cfg, layout_change | subset, fits):
+                return subset | layout_change
+    return None
+
+
+def _fits_with(cfg, overrides: dict, fits) -> bool:
+    """Whether the config `overrides` give fits, and passes the layout, engine and NVLink rules."""
+    with _tried(cfg, overrides) as tried:
+        layout = ParallelLayout.from_config(tried)
+        return (_layout_passes(tried.model, tried.train, layout) and not check_engine(tried, layout, False)
+                and fits(tried, layout)
+                and not check_nvlink_domains(tried.parallel, tried.model, tried.train, plan_placement(layout),
+                                             advise=False))
+
+
+def _bigger_layouts(cfg, more_nodes: bool) -> list[dict]:
+    """More TP (powers of two, within the NVLink domain, at most 8), more PP (divisors of the
+    layers) and, where asked, more nodes (up to 64 times as many): fewest GPUs first, then the
+    smallest model-parallel group, TP before PP."""
+    p, c, m = cfg.parallel, cfg.cluster, cfg.model
+    nodes = [c.nodes * 2**k for k in range(7 if more_nodes else 1)]
+    tps = [t for t in (1, 2, 4, 8) if p.tp <= t <= c.nvlink_domain_size and m.num_attention_heads % t == 0] or [p.tp]
+    pps = [d for d in _divisors(m.num_layers) if d >= p.pp]
+    out = []
+    for n, t, pp in sorted(itertools.product(nodes, tps, pps), key=lambda x: (x[0], x[1] * x[2], -x[1])):
+        if (n, t, pp) == (c.nodes, p.tp, p.pp) or (n * c.gpus_per_node) % (t * pp * p.cp):
+            continue
+        change = {"cluster.nodes": n} if n != c.nodes else {}
+        change |= {"parallel.tp": t} if t != p.tp else {}
+        change |= {"parallel.sp": True} if t > 1 and not p.sp else {}
+        change |= {"parallel.pp": pp} if pp != p.pp else {}
+        out.append(change)
+    return out
+
+
+def check_memory(cfg, plan: Plan) -> list[str]:
     """The plan's per-GPU estimate (GPU clusters only) against the GPU's memory."""
-    est, cap = plan.memory, gpu.memory_gib
-    if est is None or cap <= 0:
+    est, gpu = plan.memory, cfg.cluster.gpu
+    cap = gpu.memory_gib
+    if est is None or cap <= 0 or est.total_gib <= cap:
         return []
-    if est.total_gib > cap:
-        return [
-            f"estimated memory per GPU {est.describe()} exceeds {gpu.name}'s {cap:.1f} GiB. "
-            "Fix: train.recompute=full, a higher ZeRO stage, more TP/PP/EP, or a smaller micro-batch."
-        ]
-    return []
+
+    def fits(tried, layout) -> bool:
+        return estimate_memory(tried, layout).total_gib <= cap
+
+    found = _memory_fix(cfg, fits, more_nodes=True)
+    if found:
+        with _tried(cfg, found) as tried:
+            after = estimate_memory(tried, ParallelLayout.from_config(tried)).total_gib
+        if "cluster.nodes" in found and cfg.launcher.name == "local":
+            found["launcher"] = "torchrun"
+        fix = f"Fix: {_words(found)} (estimated {after:.1f} GiB per GPU)."
+    else:
+        fix = "Fix: fewer layers or a smaller model (no recompute, ZeRO-1, TP/PP or node count up to 64 times fits it)."
+    return [f"estimated memory per GPU {est.describe()} exceeds {gpu.name}'s {cap:.1f} GiB. {fix}"]
 
 
 def check_evaluate(evaluate, train, cluster) -> list[str]:
@@ -621,15 +878,15 @@ def check_evaluate(evaluate, train, cluster) -> list[str]:
         if len(window) != 2 or not 0 <= window[0] < window[1] <= steps:
             out.append(
                 f"evaluate.profile_steps={list(window)} must be [first, last) with "
-                f"0 <= first < last <= train.steps={steps}, e.g. [{min(2, steps - 1)}, {steps}]. "
-                "Fix: pick steps after the first (it includes warm-up)."
+                f"0 <= first < last <= train.steps={steps}. "
+                f"Fix: evaluate.profile_steps=[{min(2, steps - 1)},{steps}] (after the first step, which includes warm-up)."
             )
     prof = cluster.comm_profile
     if prof is not None and not os.path.isfile(prof):
         out.append(
-            f"cluster.comm_profile={prof} does not exist. Fix: measure one with "
-            "`torchrun --nproc_per_node N -m gridwright.evaluations.bench_collectives --out FILE`, "
-            "or set cluster.comm_profile=null."
+            f"cluster.comm_profile={prof} does not exist. Fix: cluster.comm_profile=null (no communication "
+            "prediction), or measure one with "
+            "`torchrun --nproc_per_node N -m gridwright.evaluations.bench_collectives --out FILE`."
         )
     return out
 
@@ -641,35 +898,36 @@ def _divisors(n: int) -> list[int]:
 def validate(cfg, for_launch: bool = True) -> Plan:
     """Check everything; return the plan (derived once, here), or raise ConfigError."""
     count_problems = check_counts(cfg.model, cfg.train, cfg.cluster)
-    problems = check_choices(cfg) + count_problems + check_numbers(cfg) + check_paths(cfg)
+    # Where it runs comes first: on a machine without the cluster's GPUs, the first Fix says where to go.
+    problems = check_launcher(cfg.launcher, cfg.cluster, for_launch)
+    problems += check_choices(cfg) + count_problems + check_numbers(cfg) + check_paths(cfg)
     layout = ParallelLayout.from_config(cfg)
     counts_ok = not count_problems  # else the layout's arithmetic would divide by zero
     layout_problems = layout.problems() if counts_ok else []
     problems += layout_problems
     if counts_ok and not layout_problems:
         problems += check_model_split(cfg.model, cfg.train, layout)
-        problems += check_context_parallel(cfg.train, layout)
+        problems += check_context_parallel(cfg.train, layout, cfg.model)
         problems += check_batch(cfg.train, layout)
         problems += check_engine(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)
-    problems += check_launcher(cfg.launcher, cfg.cluster, for_launch)
     problems += check_megatron_core(cfg.launcher, for_launch)
     problems += check_tracking(cfg.tracking, cfg.launcher)
     problems += check_checkpoint(cfg)
-    problems += check_data(cfg.data, cfg.model, cfg.launcher)
+    problems += check_data(cfg.data, cfg.model, cfg.parallel, cfg.launcher)
     problems += check_evaluate(cfg.evaluate, cfg.train, cfg.cluster)
     plan = None
     if not problems:
         placement = plan_placement(layout)
-        problems += check_nvlink_domains(cfg.parallel, cfg.model, placement)
+        problems += check_nvlink_domains(cfg.parallel, cfg.model, cfg.train, placement)
         try:
             plan = derive_plan(cfg, layout, placement)
         except CommProfileProblem as e:
             problems.append(str(e))
     if plan is not None:
-        problems += check_memory(cfg.cluster.gpu, plan)
-        problems += check_host_memory(cfg.model, cfg.cluster, cfg.launcher, plan)
+        problems += check_memory(cfg, plan)
+        problems += check_host_memory(cfg, plan, for_launch)
     elif counts_ok and not layout_problems and os.path.isfile(cfg.cluster.comm_profile or ""):
         try:  # no plan for an invalid config, but a profile that cannot price it is one more fix to list
             predict_communication(cfg, layout)

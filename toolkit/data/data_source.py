@@ -4,14 +4,44 @@ Either way, micro-batch k of DP rank r at step s holds the global samples
 s*G + r*M*B + k*B ... + B-1 (G global batch, M micro-batches, B micro-batch size), so the
 data position is a function of the step alone: a resumed run, on any layout, sees
 exactly the samples the uninterrupted one would.
+
+Importing this module does not import torch: validation reads a prepared dataset's index
+through it (`expected_bin_bytes`) to refuse a truncated .bin before anything starts.
 """
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from . import synthetic_data
+# Megatron-Core's .idx layout (megatron.core.datasets.indexed_dataset._IndexWriter): a
+# 9-byte magic, version 1 (<Q), the token dtype's code (<B), the sequence and document
+# counts (<Q each), then int32 sequence lengths and int64 byte pointers into the .bin.
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+IDX_HEADER = struct.Struct("<9sQBQQ")
+IDX_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # indexed_dataset.DType codes
+
+
+def expected_bin_bytes(prefix: str) -> int:
+    """The size the .idx says `prefix`.bin has: the last sequence's pointer plus its length
+    in tokens times the token size. Reads the header and two numbers, not the index.
+    Raises ValueError for a file that is not a Megatron-Core index."""
+    idx = prefix + ".idx"
+    with open(idx, "rb") as f:
+        head = f.read(IDX_HEADER.size)
+        if len(head) < IDX_HEADER.size:
+            raise ValueError(f"{idx} is {len(head)} bytes, shorter than a Megatron-Core index header")
+        magic, version, code, sequences, _documents = IDX_HEADER.unpack(head)
+        if magic != IDX_MAGIC or version != 1 or code not in IDX_DTYPE_SIZES:
+            raise ValueError(f"{idx} is not a Megatron-Core index (header {head[:9]!r}, version {version}, dtype code {code})")
+        if sequences == 0:
+            return 0
+        lengths = np.fromfile(f, dtype="<i4", count=sequences)
+        pointers = np.fromfile(f, dtype="<i8", count=sequences)
+    if len(lengths) < sequences or len(pointers) < sequences:
+        raise ValueError(f"{idx} is truncated: its header counts {sequences} sequences")
+    return int(pointers[-1]) + int(lengths[-1]) * IDX_DTYPE_SIZES[code]
 
 
 class SyntheticSource:
@@ -19,6 +49,8 @@ class SyntheticSource:
         self.train, self.vocab_size = train, model.vocab_size
 
     def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
+        from . import synthetic_data  # imports torch, which validation (importing this module) does not
+
         t = self.train
         seed = t.seed if split == "train" else t.seed + 10**6  # held-out stream for validation
         return synthetic_data.micro_batches(index, dp_rank, dp_size, num_micro, t.micro_batch_size,
@@ -65,6 +97,8 @@ class IndexedSource:
         ).build()
 
     def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
+        import torch
+
         b = self.micro_batch_size
         dataset = self.train if split == "train" else self.valid
         base = index * num_micro * b * dp_size + dp_rank * num_micro * b

@@ -5,6 +5,7 @@ machine does not have, FP8 where neither Transformer Engine nor torchao can run 
 DeepSpeed fp16 on a CPU without fp16 support. Importing
 torch takes seconds, so the question goes to a child process: composing, validating and
 planning never import torch themselves, and the probe runs only for local GPU launches.
+The host's memory (`host_memory_bytes`, for local CPU launches) needs no torch and is read here.
 """
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def _facts_here(with_transformer_engine: bool) -> dict:
     if with_transformer_engine:
         out["transformer_engine"] = transformer_engine_available()
     return out
+
+
+def host_memory_bytes() -> int:
+    """The memory a run's processes on this machine can use: the smaller of the RAM psutil
+    reports and the container's cgroup limit (inside a container psutil sees the host's RAM)."""
+    import psutil
+
+    limits = [psutil.virtual_memory().total]
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit
+            limits.append(int(text))
+    return min(limits)
 
 
 PROBE_TIMEOUT_S = 120

@@ -23,10 +23,14 @@ A planning number, not a measurement. Its terms, per rank of the worst pipeline 
   group of a rank is all its experts when expert-DP is 1): measured on 2 x H200, Mixtral
   width EP=2 peaked 9 % above the estimate without this term.
 * a fixed workspace for the CUDA context, communicator buffers and fragmentation.
+
+A CPU run keeps the same terms in host memory, one set per process, with the Python
+runtime (torch and Megatron-Core imported) in place of the CUDA workspace:
+`host_memory_estimate`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engines.registry import rules
 from .layout import ParallelLayout
@@ -39,6 +43,9 @@ WORKSPACE_GIB = 3.0
 # 42/34 of them, measured on 2 x H100 (evaluations/results/eval_sweep_*.md: 1 GPU, DP=2,
 # TP=2+SP and CP=2 all gave 1.24 x the formula's per-layer bytes).
 ACTIVATION_SCALE = 42 / 34
+# One CPU worker's own footprint before its model: importing torch and Megatron-Core took
+# 0.34 GiB of resident memory on the 2-core CPU machine; rounded up for gloo and the run's buffers.
+CPU_PROCESS_GIB = 0.5
 
 
 @dataclass(frozen=True)
@@ -146,3 +153,10 @@ def estimate_memory(cfg, layout: ParallelLayout, params: ParamCounts | None = No
         if best is None or est.total_gib > best.total_gib:
             best = est
     return best
+
+
+def host_memory_estimate(cfg, layout: ParallelLayout, params: ParamCounts | None = None) -> MemoryEstimate:
+    """One CPU process's memory: the per-rank terms of `estimate_memory`, with the runtime's
+    footprint in place of the CUDA workspace. A CPU run on one machine needs this times its
+    processes (cluster.gpus_per_node) of host memory."""
+    return replace(estimate_memory(cfg, layout, params), workspace_gib=CPU_PROCESS_GIB)

@@ -19,11 +19,28 @@ entry point, and adds what torchrun leaves out:
   killed when torchrun returns, with what the job directory holds (summary, hang report,
   the logging rank's error). Killed outright (SIGKILL), it leaves the run RUNNING for the
   next look at the job directory (the local launcher, `gridwright.tracking.sync`, a re-run)
-  to close (gridwright.tracking.run_owner).
+  to close (gridwright.tracking.run_owner);
+* it keeps what every process printed in the job directory's `logs/` (`Console`), whichever
+  launcher started it, while the terminal (or Slurm's output file) shows it live as before:
+
+      logs/rank<N>.log         rank N's stdout and stderr, whole (tracebacks included), this run's
+                               latest attempt; its first line says which process it was
+      logs/node<K>.log         this agent's own output, torchrun's log records included
+      logs/rank<N>.error.json  torchrun's error file of a rank that raised
+      logs/node<K>.exits.json  the exit codes torchrun saw for this node's failed ranks
+      logs/torchrun/           torchrun's own files, every attempt kept:
+                               <run id>_<random>/attempt_<A>/<local rank>/stdout.log, stderr.log
+
+  torchrun writes the ranks' files (its LogsSpecs, with `--redirects`); the copies in
+  logs/rank<N>.log and on the terminal are made by torch's TailLog, as `--tee` would, but
+  unprefixed and without the lines a rank marks for its log only (its traceback);
+* a failed job's ranks are summed up in one block (gridwright.runtime.failure_report): by
+  the local launcher once the run has ended, or here on the other launchers' nodes.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import socket
@@ -125,6 +142,8 @@ def _split_job_dir(argv: list[str]) -> tuple[Path, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     job_dir, torchrun_args = _split_job_dir(sys.argv[1:] if argv is None else argv)
+    node = node_rank(torchrun_args)
+    console = Console(job_dir, node, torchrun_args)  # before torch is imported: its log handlers take sys.stderr then
     if os.environ.get(LAUNCHER_PIPE_ENV) == "1":
         _follow_launcher()
     token = os.environ.setdefault(TOKEN_ENV, new_token())
@@ -141,21 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import main as torchrun_main
 
+        console.keep_torch_logs_in_file()
         _register_loopback_backend()
         watchdog = _start_watchdog(job_dir, token)
         try:
-            torchrun_main([*torchrun_args, "-m", "gridwright.runtime.worker", "--job-dir", str(job_dir)])
+            _torchrun(job_dir, torchrun_args, console)
             code = 0
         except ChildFailedError as e:  # a worker that refused its input (exit 2) has said why in one line;
             code = 2 if e.get_first_failure()[1].exitcode == 2 else 1  # torchrun then ended the others
+            _record_exits(job_dir, node, e.failures)
         except SignalException as e:
             stopped_by["signal"] = int(e.sigval)
             code = 128 + int(e.sigval)
         finally:
             if watchdog is not None:
                 watchdog.stop()
+            console.stop_following()  # the ranks' last lines before what the agent says next
     except KeyboardInterrupt:
         code = 128 + stopped_by.get("signal", signal.SIGINT)
     finally:
@@ -165,7 +186,210 @@ def main(argv: list[str] | None = None) -> int:
             print(f"agent       ended {left} process(es) the workers left behind", file=sys.stderr, flush=True)
         if run is not None:
             run.close(code, stopped_by.get("signal"), since=started)
+        if code not in (0, 2) and "signal" not in stopped_by and os.environ.get(LAUNCHER_PIPE_ENV) != "1":
+            from gridwright.runtime.failure_report import block  # the local launcher prints it itself
+
+            print("\n".join(block(job_dir, code, since=started)), file=sys.stderr, flush=True)
+        console.close()
     return code
+
+
+def _torchrun(job_dir: Path, torchrun_args: list[str], console: "Console") -> None:
+    """torchrun (torch.distributed.run's `run`) with this job's LogsSpecs (`_rank_logs`).
+    torchrun takes another LogsSpecs only from an installed entry point (`--logs-specs`), so
+    its launch config is built here from the same arguments; of what `run` adjusts, only the
+    port's default applies (gridwright's launchers never ask for --standalone)."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args([*torchrun_args, "-m", "gridwright.runtime.worker", "--job-dir", str(job_dir)])
+    if args.master_port is None:
+        args.master_port = 29500  # as torchrun's run() does
+    config, entrypoint, entry_args = config_from_args(args)
+    config.logs_specs = _rank_logs(job_dir, console)
+    elastic_launch(config, entrypoint)(*entry_args)
+
+
+def _rank_logs(job_dir: Path, console: "Console"):
+    """torchrun's DefaultLogsSpecs: each rank's stdout and stderr into files of their own under
+    logs/torchrun/ (per attempt), here with each rank's error file at a stable path (an earlier
+    attempt's removed: torchrun would read it as this one's) and the console following the files."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, Std
+
+    from gridwright.runtime.jobdir import LOGS_DIR, TORCHRUN_LOGS_DIR, rank_error_file
+
+    class RankLogs(DefaultLogsSpecs):
+        def reify(self, envs):
+            dest = super().reify(envs)
+            ranks = {int(env["RANK"]): (local, dest.stdouts[local], dest.stderrs[local]) for local, env in envs.items()}
+            attempt = next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0")
+            console.follow(ranks, attempt)  # first: a restart's line names the last attempt's error
+            for rank, (local, _, _) in ranks.items():
+                error_file = rank_error_file(job_dir, rank)
+                error_file.unlink(missing_ok=True)
+                dest.error_files[local] = envs[local]["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+            return dest
+
+    return RankLogs(log_dir=str(job_dir / LOGS_DIR / TORCHRUN_LOGS_DIR), redirects=Std.ALL, tee=Std.NONE)
+
+
+def _record_exits(job_dir: Path, node: int, failures: dict) -> None:
+    """The exit code torchrun saw for each failed rank of this node, for the failure report
+    (a rank killed by a signal leaves no error file)."""
+    from gridwright.atomic_io import write_text_atomic
+    from gridwright.runtime.jobdir import node_exits_file
+
+    codes = {str(rank): failure.exitcode for rank, failure in failures.items()}
+    write_text_atomic(node_exits_file(job_dir, node), json.dumps({"node": node, "exitcodes": codes}))
+
+
+class _LineFile:
+    """A log file that several threads write to; closed, it takes nothing more (a log record
+    at the agent's exit is lost rather than raised)."""
+
+    def __init__(self, path: Path, first_line: str = ""):
+        self._file = open(path, "w", encoding="utf-8", errors="replace", buffering=1)
+        self._lock = threading.Lock()
+        if first_line:
+            self.write(first_line + "\n")
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return 0 if self._file.closed else self._file.write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class _Tee:
+    """The agent's sys.stdout or sys.stderr: the terminal, with a copy in the node's log."""
+
+    def __init__(self, terminal, log: _LineFile):
+        self._terminal, self._log = terminal, log
+
+    def write(self, text: str) -> int:
+        self._log.write(text)
+        return self._terminal.write(text)
+
+    def flush(self) -> None:
+        self._terminal.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._terminal, name)
+
+
+class _RankStream:
+    """One rank's stdout or stderr as torch's TailLog reads it from torchrun's file: each
+    line to the rank's log, and to the terminal unless the rank marked it for its log only."""
+
+    def __init__(self, log: _LineFile, terminal, terminal_lock: threading.Lock):
+        from gridwright.runtime.failure_report import is_log_only
+
+        self._log, self._terminal, self._lock, self._is_log_only = log, terminal, terminal_lock, is_log_only
+        self._partial = ""  # TailLog hands on a line still being written in pieces
+        self._hiding = False
+
+    def write(self, text: str) -> None:
+        self._partial += text
+        while "\n" in self._partial:
+            line, self._partial = self._partial.split("\n", 1)
+            self._log.write(line + "\n")
+            if self._is_log_only(line):
+                self._hiding = True
+            elif not (self._hiding and not line.strip()):  # torch's excepthook leaves blank lines unmarked
+                self._hiding = False
+                with self._lock:
+                    self._terminal.write(line + "\n")
+                    self._terminal.flush()
+
+    def close(self) -> None:
+        if self._partial:
+            self.write("\n")
+
+
+class Console:
+    """Where this node's output goes (see the module's docstring for the files). The agent's
+    own: the terminal and logs/node<K>.log. Each rank's: torchrun writes it into files
+    (`_rank_logs`), which are followed here into logs/rank<N>.log and onto the terminal."""
+
+    def __init__(self, job_dir: Path, node: int, torchrun_args: list[str]):
+        from gridwright.runtime.jobdir import node_exits_file, node_log
+
+        self.job_dir, self.node = job_dir, node
+        path = node_log(job_dir, node)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        node_exits_file(job_dir, node).unlink(missing_ok=True)  # an earlier run's
+        started = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+        self.log = _LineFile(path, f"# node {node}'s agent: pid {os.getpid()} on {socket.gethostname()}, started "
+                                   f"{started}; torchrun {' '.join(torchrun_args)}")
+        self.terminal = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.log), _Tee(sys.stderr, self.log)
+        self._terminal_lock = threading.Lock()
+        self._followed: list = []  # (TailLog, its _RankStream)
+        self._rank_logs: list[_LineFile] = []
+        self._attempt_started, self._attempt_dir = time.time(), None
+
+    def keep_torch_logs_in_file(self) -> None:
+        """torchrun's log records (the SIGTERMs it sends, each failed rank's exit code) go to
+        the node's log only: on the terminal, the failure report says what they would."""
+        import logging
+
+        for name in ("torch", "torch.distributed"):
+            for handler in logging.getLogger(name).handlers:
+                if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, self.terminal[1]):
+                    handler.setStream(self.log)
+
+    def follow(self, ranks: dict[int, tuple[int, str, str]], attempt: str) -> None:
+        """Follow one attempt's ranks (global rank -> local rank, stdout file, stderr file);
+        a restart's attempt replaces the previous one's in logs/rank<N>.log."""
+        from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+        from gridwright.runtime.jobdir import rank_log
+
+        if self._followed:  # torchrun restarts the workers (launcher.max_restarts): say why, in one line
+            self.stop_following()
+            self._note_restart(attempt)
+        self._attempt_started = time.time()
+        self._attempt_dir = Path(next(iter(ranks.values()))[1]).parents[1] if ranks else None  # torchrun's attempt_<A>
+        started = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+        for rank, (local, stdout, stderr) in sorted(ranks.items()):
+            log = _LineFile(rank_log(self.job_dir, rank),
+                            f"# rank {rank}: node {self.node}, local rank {local}, attempt {attempt}, "
+                            f"started {started}; "
+                            f"torchrun's copies: {Path(stdout).parent}")
+            self._rank_logs.append(log)
+            for path, terminal in ((stdout, self.terminal[0]), (stderr, self.terminal[1])):
+                stream = _RankStream(log, terminal, self._terminal_lock)
+                tail = TailLog(f"rank{rank}", {local: path}, stream, log_line_prefixes={local: ""}).start()
+                self._followed.append((tail, stream))
+
+    def _note_restart(self, attempt: str) -> None:
+        from gridwright.runtime.failure_report import summarise
+
+        first = summarise(self.job_dir, since=self._attempt_started).first
+        why = f"after rank {first.rank} failed: {first.says()}" if first is not None and first.rank is not None else ""
+        print(f"restart     torchrun starts the workers again (attempt {attempt}){' ' + why if why else ''}; "
+              f"the last attempt's output is in {self._attempt_dir}", file=sys.stderr, flush=True)
+
+    def stop_following(self) -> None:
+        """Read the ranks' files to their end (the processes have ended) and close their logs."""
+        for tail, stream in self._followed:
+            tail.stop()
+            stream.close()
+        for log in self._rank_logs:
+            log.close()
+        self._followed, self._rank_logs = [], []
+
+    def close(self) -> None:
+        self.stop_following()
+        sys.stdout, sys.stderr = self.terminal
+        self.log.close()
 
 
 def _start_watchdog(job_dir: Path, token: str):

@@ -11,16 +11,16 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .config.compose import composition_notes, strip_hydra
+from .config.override_errors import command_line_error, unknown_key_message
 from .atomic_io import unwritable_reason, write_text_atomic
 from .checkpoints.checkpoint_dir import nothing_to_resume
 from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir,
                              planned_job_dir, read_json, same_job)
 from .runtime.outcome import EXIT_INVALID, Outcome
 from .planning.plan import Plan
-from .config.schema import RunConfig
 from .config.validation import ConfigError, validate
 
 if TYPE_CHECKING:
@@ -52,20 +52,6 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
     lines.append("placement")
     lines.append(plan.placement.table())
     return "\n".join(lines)
-
-
-def unknown_key_message(e) -> str:
-    """One line for a key the schema does not have, with the nearest one it does."""
-    import difflib
-
-    key = getattr(e, "full_key", None) or getattr(e, "key", None) or "?"
-    parent, _, leaf = str(key).rpartition(".")
-    schema = OmegaConf.structured(RunConfig)
-    node = OmegaConf.select(schema, parent) if parent else schema
-    known = list(node.keys()) if isinstance(node, DictConfig) else []
-    near = difflib.get_close_matches(leaf, known, n=1)
-    hint = f" Did you mean {parent + '.' if parent else ''}{near[0]}?" if near else ""
-    return f"error: {key} is not a key of the experiment's schema (gridwright.config.schema).{hint}"
 
 
 def check_not_running(job_dir) -> None:
@@ -176,9 +162,14 @@ def emitted_script_problem(cfg, job_dir) -> str | None:
 def run_locally(cfg, job_dir) -> Outcome:
     """Run the job here. Its MLflow run is the agent's: opened before the workers start,
     closed after they end. Only an agent killed outright leaves it RUNNING; its run is then
-    closed here, as any later look at the job directory would (run_owner)."""
+    closed here, as any later look at the job directory would (run_owner). A failed run ends
+    in one block from its job directory (gridwright.runtime.failure_report), not in every
+    rank's traceback: those are in the ranks' logs."""
+    import time
+
     from gridwright.launchers.local import run_local
 
+    started = time.time()
     code, stopped_by = run_local(cfg, job_dir)
     stopped_by = stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
     # A negative code: the agent itself was killed by that signal.
@@ -202,7 +193,11 @@ def run_locally(cfg, job_dir) -> Outcome:
         return Outcome("killed", 128 + int(stopped_by), job_dir, run_id=run_id)
     if code == 0:
         print(f"done: {job_dir}")
-    else:
+    elif code > 0 and code != EXIT_INVALID:  # which rank failed first, why, its log, the fix
+        from .runtime.failure_report import block
+
+        print("\n".join(block(job_dir, code, since=started)), file=sys.stderr)
+    else:  # input refused (the workers said why, in one line), or the agent killed
         print(f"error: the job failed with exit code {code}; see {job_dir}", file=sys.stderr)
     return Outcome(status, code, job_dir, run_id=run_id)
 
@@ -248,6 +243,10 @@ def main() -> None:
     from .config.compose import CONF_DIR
 
     user_config_dir_first()
+    problem = command_line_error(sys.argv[1:], CONF_DIR)
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(EXIT_INVALID)
 
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def _main(cfg: DictConfig):

@@ -6,6 +6,13 @@ so a second run can never overwrite the records of a first. Each gets a stable i
 
 A `-m` sweep gets one directory `job_root/sweeps/<experiment>/<time>-<id>/` (its record
 is `sweep.json`, see gridwright.tracking.sweep); each point's job directory is `<num>-<slug>/` in it.
+
+`logs/` holds what the processes of the job's latest run printed (gridwright.launchers.agent
+writes it, on every launcher): `rank<N>.log`, rank N's stdout and stderr as they came,
+tracebacks included; `node<K>.log`, node K's agent's own output; `rank<N>.error.json`,
+torchrun's error file of a rank that raised; `node<K>.exits.json`, the exit codes torchrun saw
+for node K's failed ranks; `torchrun/`, torchrun's own per-attempt copies
+(`<run id>_<random>/attempt_<A>/<local rank>/stdout.log, stderr.log`), every attempt kept.
 """
 from __future__ import annotations
 
@@ -37,6 +44,24 @@ FAILURE_FILE = "failure.json"  # why the logging rank's training failed (the age
 PLAN_FILE = "plan.json"  # FLOPs per token, peak, parameters, memory estimate (written at planning)
 SWEEP_FILE = "sweep.json"
 SWEEPS_DIR = "sweeps"
+LOGS_DIR = "logs"  # every rank's console and each node agent's own output (see the module's docstring)
+TORCHRUN_LOGS_DIR = "torchrun"  # in LOGS_DIR: torchrun's own per-attempt files
+
+
+def rank_log(job_dir: Path, rank: int) -> Path:
+    return Path(job_dir) / LOGS_DIR / f"rank{rank}.log"
+
+
+def rank_error_file(job_dir: Path, rank: int) -> Path:
+    return Path(job_dir) / LOGS_DIR / f"rank{rank}.error.json"
+
+
+def node_log(job_dir: Path, node: int) -> Path:
+    return Path(job_dir) / LOGS_DIR / f"node{node}.log"
+
+
+def node_exits_file(job_dir: Path, node: int) -> Path:
+    return Path(job_dir) / LOGS_DIR / f"node{node}.exits.json"
 
 
 class SweepPoint(NamedTuple):

@@ -18,6 +18,8 @@ import json
 import os
 import signal
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from ..atomic_io import write_text_atomic
@@ -25,6 +27,7 @@ from ..checkpoints.checkpoint_dir import hold_writer_lock, latest_checkpoint
 from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
 from .jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
+from .failure_report import log_only
 from .metric_sinks import JsonlSink, MetricsSink, TerminalSink
 from .known_warnings import filter_known_warnings
 from ..planning.layout import ParallelLayout
@@ -114,6 +117,7 @@ class Reporter:
             "last_loss": self.history[-1]["loss"],
             "mean_step_time_s": sum(h["step_time_s"] for h in steady) / len(steady),
             "tokens_per_s_per_gpu": sum(h["tokens_per_s_per_gpu"] for h in steady) / len(steady),
+            "ended_ms": int(time.time() * 1000),  # the run's end for MLflow, wherever it is logged later
             **extra,
         }
         summary.update(self.metrics.record)
@@ -188,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     die_with_parent(signal.SIGTERM)
+    rank = int(os.environ.get("RANK", "0"))
     try:
         return train(args.job_dir.resolve())
     except UntrustedCheckpointFile as e:  # input the user can act on: one line (per node), no traceback
@@ -195,17 +200,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     except DiskFull as e:  # said in full by the rank that met it
-        print(f"error: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
+        record_error(e)
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 1
-    except RuntimeError as e:
-        if not any(sign in str(e) for sign in PEER_GONE):
-            raise
-        # A peer ended first (its own error is the one to read): one line, not a second traceback.
-        print(f"error: rank {os.environ.get('RANK', '0')}: stopped because another rank ended first "
-              f"({str(e).strip().splitlines()[0][:200]})", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the failure report names it; the traceback goes to this rank's log
+        if isinstance(e, RuntimeError) and any(sign in str(e) for sign in PEER_GONE):
+            # A peer ended first (its error is the one to read): one line, in this rank's log only.
+            print(log_only(rank, f"error: rank {rank}: stopped because another rank ended first "
+                                 f"({str(e).strip().splitlines()[0][:200]})"), end="", file=sys.stderr, flush=True)
+            return 1
+        record_error(e)
+        print(log_only(rank, traceback.format_exc()), end="", file=sys.stderr, flush=True)
         return 1
     finally:
         end_descendants()
+
+
+def record_error(e: BaseException) -> None:
+    """torchrun's error file for this rank (TORCHELASTIC_ERROR_FILE, which the agent sets):
+    the error, its traceback and when, from which the failure report names the first rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    try:
+        ErrorHandler().record_exception(e)
+    except OSError:  # a full disk, say: the rank's log still has the traceback
+        pass
 
 
 def refuse_what_this_machine_cannot_run(cfg) -> None:

@@ -34,7 +34,7 @@ entry point, and adds what torchrun leaves out:
   torchrun writes the ranks' files (its LogsSpecs, with `--redirects`); the copies in
   logs/rank<N>.log and on the terminal are made by torch's TailLog, as `--tee` would, but
   unprefixed and without the lines a rank marks for its log only (its traceback);
-* a failed job's ranks are summed up in one block (gridwright.runtime.failure_report): by
+* a failed job's ranks are summed up in one block (gridwright.launchers.failure_report): by
   the local launcher once the run has ended, or here on the other launchers' nodes.
 """
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None:
             run.close(code, stopped_by.get("signal"), since=started)
         if code not in (0, 2) and "signal" not in stopped_by and os.environ.get(LAUNCHER_PIPE_ENV) != "1":
-            from gridwright.runtime.failure_report import block  # the local launcher prints it itself
+            from gridwright.launchers.failure_report import block  # the local launcher prints it itself
 
             print("\n".join(block(job_dir, code, since=started)), file=sys.stderr, flush=True)
         console.close()
@@ -289,7 +289,7 @@ class _RankStream:
     line to the rank's log, and to the terminal unless the rank marked it for its log only."""
 
     def __init__(self, log: _LineFile, terminal, terminal_lock: threading.Lock):
-        from gridwright.runtime.failure_report import is_log_only
+        from gridwright.launchers.failure_report import is_log_only
 
         self._log, self._terminal, self._lock, self._is_log_only = log, terminal, terminal_lock, is_log_only
         self._partial = ""  # TailLog hands on a line still being written in pieces
@@ -370,7 +370,7 @@ class Console:
                 self._followed.append((tail, stream))
 
     def _note_restart(self, attempt: str) -> None:
-        from gridwright.runtime.failure_report import summarise
+        from gridwright.launchers.failure_report import summarise
 
         first = summarise(self.job_dir, since=self._attempt_started).first
         why = f"after rank {first.rank} failed: {first.says()}" if first is not None and first.rank is not None else ""

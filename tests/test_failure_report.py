@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from gridwright.runtime.failure_report import block, is_log_only, log_only, summarise
+from gridwright.launchers.failure_report import block, is_log_only, log_only, summarise
 from gridwright.runtime.jobdir import FAILURE_FILE, LOGS_DIR, node_exits_file, rank_error_file, rank_log
 
 # The fault: rank 1 raises once its step 1 is done. The repository has no fault-injection

@@ -163,7 +163,7 @@ def run_locally(cfg, job_dir) -> Outcome:
     """Run the job here. Its MLflow run is the agent's: opened before the workers start,
     closed after they end. Only an agent killed outright leaves it RUNNING; its run is then
     closed here, as any later look at the job directory would (run_owner). A failed run ends
-    in one block from its job directory (gridwright.runtime.failure_report), not in every
+    in one block from its job directory (gridwright.launchers.failure_report), not in every
     rank's traceback: those are in the ranks' logs."""
     import time
 
@@ -194,7 +194,7 @@ def run_locally(cfg, job_dir) -> Outcome:
     if code == 0:
         print(f"done: {job_dir}")
     elif code > 0 and code != EXIT_INVALID:  # which rank failed first, why, its log, the fix
-        from .runtime.failure_report import block
+        from gridwright.launchers.failure_report import block
 
         print("\n".join(block(job_dir, code, since=started)), file=sys.stderr)
     else:  # input refused (the workers said why, in one line), or the agent killed

@@ -27,7 +27,7 @@ from ..checkpoints.checkpoint_dir import hold_writer_lock, latest_checkpoint
 from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
 from .jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
-from .failure_report import log_only
+from gridwright.launchers.failure_report import log_only
 from .metric_sinks import JsonlSink, MetricsSink, TerminalSink
 from .known_warnings import filter_known_warnings
 from ..planning.layout import ParallelLayout

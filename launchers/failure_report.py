@@ -24,7 +24,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .jobdir import FAILURE_FILE, LOGS_DIR, rank_log, read_json
+from gridwright.runtime.jobdir import FAILURE_FILE, LOGS_DIR, rank_log, read_json
 
 _LOG_ONLY = re.compile(r"\[rank\d+\]:( |$)")  # torch's C++ lines, `[rank0]:[W ...`, stay on the terminal
 _ERROR_FILE = re.compile(r"rank(\d+)\.error\.json")
@@ -208,7 +208,7 @@ def _last_error_line(text: str) -> str:
 
 
 def _hang(job_dir: Path, since: float) -> dict | None:
-    from gridwright.launchers.watchdog import findings
+    from .watchdog import findings
 
     found = findings(job_dir, since)
     return found[0] if found else None

@@ -5,8 +5,7 @@ Every case is composed and validated for a launch on this machine (the fast tier
 CPU without GPUs), as `python launch.py OVERRIDES` would be. The first problem's first Fix
 suggestion is read with `fix_overrides` (the convention: the `key=value` words right after
 `Fix:`), added to the command line, and the result validated again. A Fix that is an action
-in words is carried out for real where the battery names the action, or listed in
-PROSE_FIXES with the reason it is not an override.
+in words is carried out for real where the battery names the action (ACTED_ON).
 """
 import json
 import re
@@ -46,6 +45,18 @@ REFUSALS = {
     "experts_vs_ep": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "parallel.ep=8", "model.num_experts=12",
                               "launcher=plan"], ["parallel.ep=4"], 1),
     "ep_without_experts": (["parallel.ep=2"], ["parallel.ep=1"], 1),
+    # the rank grid (planning/layout.py): degrees lowered to divisors of their values
+    "world_not_divisible": (GPU8 + ["model=llama3_8b", "parallel.tp=4", "parallel.pp=3", "model.num_layers=24",
+                                    "launcher=plan"], ["parallel.pp=1"], 1),
+    "world_not_divisible_with_sp_and_vpp": (GPU8 + ["model=llama3_8b", "parallel.tp=3", "parallel.sp=true",
+                                                    "parallel.pp=3", "parallel.vpp=2", "model.num_layers=24",
+                                                    "model.num_attention_heads=24", "model.num_query_groups=3",
+                                                    "model.hidden_size=3072", "launcher=plan"],
+                                            ["parallel.tp=1", "parallel.pp=1", "parallel.sp=false", "parallel.vpp=null"],
+                                            1),
+    "expert_grid": (MOE_CPU + ["parallel.ep=4"], ["parallel.ep=2"], 1),
+    "sp_without_tp": (["parallel.sp=true"], ["parallel.sp=false"], 1),
+    "vpp_without_pp": (["parallel.vpp=2"], ["parallel.vpp=null"], 1),
     "etp_without_experts": (["parallel.etp=2"], ["parallel.etp=null"], 1),
     "moe_tp_without_sp": (MOE_CPU + ["parallel.tp=2"], ["parallel.sp=true"], 1),
     "topk_above_experts": (MOE_CPU + ["model.moe_router_topk=5"], ["model.moe_router_topk=4"], 1),
@@ -63,6 +74,7 @@ REFUSALS = {
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["parallel.moe_token_dispatcher=allgather"], 1),
     "megatron_stage3_on_cpu": (["zero=stage3"], ["zero.stage=1"], 1),
     "megatron_offload": (["zero=stage2_offload"], ["engine=deepspeed"], 1),
+    "megatron_overlap_param_gather_zero0": (["zero=stage0", "engine.overlap_param_gather=true"], ["zero.stage=1"], 1),
     "deepspeed_zero0_bf16": (["engine=deepspeed", "zero=stage0", "precision=bf16"], ["zero.stage=1"], 1),
     "deepspeed_selective_recompute": (["engine=deepspeed", "zero=stage1", "train.recompute=selective"],
                                       ["train.recompute=full"], 1),
@@ -100,16 +112,6 @@ ACTED_ON = {
     "dataset_missing": (["data.kind=indexed", "data.paths=[{missing}]"], "dataset files missing", 2),
 }
 
-# Refusals whose first Fix is not an override, and why. They come from planning/layout.py,
-# whose wording this battery does not own: when it becomes an override, move the case up.
-PROSE_FIXES = {
-    "world_not_divisible": (GPU8 + ["model=llama3_8b", "parallel.tp=4", "parallel.pp=3", "model.num_layers=24",
-                                    "launcher=plan"],
-                            "choose degrees whose product divides 8", "planning/layout.py: several degrees could change"),
-    "expert_grid": (MOE_CPU + ["parallel.ep=4"], "lower parallel.ep or parallel.etp", "planning/layout.py"),
-    "sp_without_tp": (["parallel.sp=true"], "set parallel.tp>1 or parallel.sp=false", "planning/layout.py"),
-    "vpp_without_pp": (["parallel.vpp=2"], "set parallel.pp>1 or parallel.vpp=null", "planning/layout.py"),
-}
 # Not in the battery: "checkpoint.save already holds checkpoints of another run" (Fix:
 # checkpoint.load=SAVE) needs a real run's checkpoint, which only the slow tier writes.
 
@@ -154,17 +156,20 @@ def current(cfg, key):
 
 
 def repeated_settings(cfg, texts) -> list[str]:
-    """Every suggestion in a Fix (or a note) whose overrides are all what `cfg` has already:
-    advice that changes nothing. Suggestions are separated by ',', ';' and 'or'; one may keep
-    a value while changing another (`engine=megatron zero=stage3`)."""
+    """Every suggestion in a Fix with an override that is what `cfg` has already: advice that
+    changes nothing, or that repeats a setting beside one it changes (`engine=megatron
+    zero=stage3` to a run with zero=stage3). A note (no Fix) also names what is set, so a
+    suggestion in it counts only where all its overrides are. Suggestions are separated by
+    ',', ';' and 'or'."""
     out = []
     for text in texts:
         advice = text.split("Fix: ", 1)[1] if "Fix: " in text else text
+        repeats = any if "Fix: " in text else all
         for suggestion in re.split(r",\s|;\s|\sor\s", advice):
             words = [w.strip("(),;.`") for w in suggestion.split()]
             pairs = [w.split("=", 1) for w in words if OVERRIDE_WORD.fullmatch(w) and not w.startswith(("+", "~"))]
             pairs = [(k, v) for k, v in pairs if k in GROUPS or OmegaConf.select(cfg, k, default="absent") != "absent"]
-            if pairs and all(yaml.safe_load(v) == current(cfg, k) for k, v in pairs):
+            if pairs and repeats(yaml.safe_load(v) == current(cfg, k) for k, v in pairs):
                 out.append(f"{suggestion.strip()!r} is already set, yet advised in: {text}")
     return out
 
@@ -213,6 +218,20 @@ def test_the_repeat_check_sees_the_old_memory_advice():
     assert "train.recompute" not in problems[0].split("Fix: ")[1] and not repeated_settings(cfg, problems)
 
 
+def test_the_repeat_check_sees_the_old_zero3_advice():
+    """DeepSpeed's TP with ZeRO-3 refusal once advised `engine=megatron zero=stage3` to a run
+    with zero=stage3: a suggestion that repeats one setting beside one it changes is caught,
+    and the advice now changes the engine alone."""
+    overrides, _, _ = REFUSALS["deepspeed_tp_zero3"]
+    cfg, problems = refusal(overrides)
+    old = ("parallel.tp=2 with zero.stage=3: ZeRO-3 partitions whole parameters for data parallelism. "
+           "Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
+    assert len(repeated_settings(cfg, [old])) == 1
+    zero3 = next(p for p in problems if p.startswith("parallel.tp=2 with zero.stage=3"))
+    assert "or engine=megatron (" in zero3 and "zero=stage3" not in zero3.split("Fix: ")[1]
+    assert not repeated_settings(cfg, problems)
+
+
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_first_fix_leads_to_a_valid_experiment(name, places):
     overrides, first_fix, steps = REFUSALS[name]
@@ -236,14 +255,6 @@ def test_missing_dataset_fix_is_carried_out(places):
     argv = [str(corpus) if word == "YOUR_TEXT.jsonl" else word for word in command[3:]]
     taken = follow(overrides, actions={text: lambda: prepare_main(argv)})
     assert taken == [["(action)"], ["model.vocab_size=257"]] and len(taken) == steps
-
-
-@pytest.mark.parametrize("name", sorted(PROSE_FIXES))
-def test_prose_fixes_are_listed_with_their_reason(name):
-    overrides, words, reason = PROSE_FIXES[name]
-    cfg, problems = refusal(overrides)
-    assert reason and f"Fix: {words}" in problems[0] and fix_overrides(problems[0]) is None, problems[0]
-    assert not repeated_settings(cfg, problems)
 
 
 def test_gpu_preset_on_this_machine_is_planned_not_shrunk_onto_the_cpu():

@@ -51,7 +51,7 @@ BATTERY = [
     ("model.head_dim=0", "model.head_dim=0 must be at least 1"),
     ("model.num_experts=-1", "model.num_experts=-1 must be 0 (dense) or more."),
     ("train.log_interval=0", "train.log_interval=0 must be at least 1."),
-    ("model.hidden_size=1000000", "processes need about"),
+    ("model.hidden_size=1000000", "on 2 CPU processes"),
     ("watchdog.min_stall_s=0", "watchdog.min_stall_s=0.0 must be a finite number above 0."),
     ("watchdog.collective_timeout_s=-5", "watchdog.collective_timeout_s=-5.0 must be a finite number above 0."),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be 0"),

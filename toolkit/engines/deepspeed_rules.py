@@ -60,9 +60,9 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
     megatron_model = builds_megatron_model(cfg.engine, cfg.parallel)
     out = (_layout_problems(layout) + _recompute_problems(cfg.train, megatron_model)
            + _zero_problems(cfg.zero, cfg.precision)
-           + (_megatron_model_problems(cfg.zero, cfg.model, cfg.checkpoint, layout) if megatron_model else [])
+           + (_megatron_model_problems(cfg.engine, cfg.zero, cfg.model, cfg.checkpoint, layout) if megatron_model else [])
            + zero_settings_problems(cfg.zero, cfg.cluster, layout)
-           + _feature_problems(cfg.engine, cfg.precision, cfg.zero, megatron_model))
+           + _feature_problems(cfg.engine, cfg.precision, cfg.zero, layout, megatron_model))
     m = cfg.model
     if cfg.engine.deepspeed_model not in MODELS:
         out.append(f"engine.deepspeed_model='{cfg.engine.deepspeed_model}' is not one of {', '.join(MODELS)}.")
@@ -118,9 +118,22 @@ def _zero_problems(zero, precision) -> list[str]:
     return out
 
 
-def _megatron_model_problems(zero, model, checkpoint, layout) -> list[str]:
+def _to_huggingface(engine, layout) -> str:
+    """The overrides that make engine=deepspeed train the Hugging Face model again: TP 1,
+    and the model choice unpinned where it names Megatron-Core's (nothing already set)."""
+    words = ["parallel.tp=1"] if layout.tp > 1 else []
+    return " ".join(words + (["engine.deepspeed_model=huggingface"] if engine.deepspeed_model == "megatron" else []))
+
+
+def _offload_off(zero) -> str:
+    """The overrides that turn off the CPU offload that is on (not the one already off)."""
+    return " ".join(f"zero.{k}=false" for k in ("offload_optimizer", "offload_params") if zero[k])
+
+
+def _megatron_model_problems(engine, zero, model, checkpoint, layout) -> list[str]:
     """What Megatron-Core's GPTModel under DeepSpeed does not run: only ZeRO-1/2 were verified."""
     z, out = zero, []
+    huggingface = _to_huggingface(engine, layout)
     if layout.tp == 1 and z.stage in (0, 3):
         out.append(f"engine.deepspeed_model=megatron with zero.stage={z.stage}: Megatron-Core's GPTModel runs under "
                    "DeepSpeed's ZeRO-1/2 here (the stages verified against the Megatron engine). "
@@ -131,7 +144,8 @@ def _megatron_model_problems(zero, model, checkpoint, layout) -> list[str]:
             f"parallel.tp={layout.tp} with zero.stage=3: ZeRO-3 partitions whole parameters for data "
             "parallelism and does not compose with Megatron-Core's tensor-parallel layers; DeepSpeed trains "
             "tensor parallelism with ZeRO 0-2 only (deepspeedai/DeepSpeed#6523; its AutoTP documentation, "
-            "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron zero=stage3 (Megatron-FSDP).")
+            "deepspeedai/DeepSpeed#8167). Fix: zero.stage=1 or 2, or engine=megatron (ZeRO-3 there is "
+            "Megatron-FSDP).")
     elif z.stage == 0 and layout.tp > 1:
         out.append(f"parallel.tp={layout.tp} with zero.stage=0: engine=deepspeed runs tensor parallelism under "
                    "ZeRO-1/2 (its optimizer takes the gradient norm over TP shards). Fix: zero.stage=1.")
@@ -139,11 +153,12 @@ def _megatron_model_problems(zero, model, checkpoint, layout) -> list[str]:
         out.append(f"{what} with CPU offload is not built on engine=deepspeed: DeepSpeed's CPU "
                    "Adam would step Megatron-Core's TP shards outside the mpu-aware gradient norm gridwright "
                    "checks against the Megatron engine, and no run of it was verified. "
-                   "Fix: zero.offload_optimizer=false, or parallel.tp=1.")
+                   f"Fix: {_offload_off(z)}, or {huggingface}.")
     if model.num_experts:
         out.append(f"{what} with experts (model.num_experts={model.num_experts}): DeepSpeed "
                    "has no view of Megatron-Core's expert groups through its mpu interface (it would reduce "
-                   "expert gradients over the whole data-parallel group). Fix: parallel.tp=1, or engine=megatron.")
+                   "expert gradients over the whole data-parallel group). "
+                   f"Fix: {huggingface}, or engine=megatron.")
     if checkpoint.save:
         out.append(f"{what}: engine=deepspeed over Megatron-Core's GPTModel saves no checkpoints "
                    "(not built: DeepSpeed's files would hold Megatron-Core's TP shards without the sharded "
@@ -151,18 +166,19 @@ def _megatron_model_problems(zero, model, checkpoint, layout) -> list[str]:
     return out
 
 
-def _feature_problems(engine, precision, zero, megatron_model: bool) -> list[str]:
+def _feature_problems(engine, precision, zero, layout, megatron_model: bool) -> list[str]:
     """The torch-native paths and FP8: what exists on this engine's two model builds."""
     e, p, out = engine, precision, []
+    huggingface = _to_huggingface(engine, layout)
     if e.tp_comm_overlap:
         out.append("engine.tp_comm_overlap=true swaps the Megatron engine's TP linears for gridwright's "
                    "symmetric-memory ones; DeepSpeed over TP trains Megatron-Core's own linears. "
-                   "Fix: engine=megatron, or tp_comm_overlap=false.")
+                   "Fix: engine=megatron, or engine.tp_comm_overlap=false.")
     if e.compile_layers and megatron_model:
         out.append("engine.compile_layers=true with Megatron-Core's GPTModel under DeepSpeed would compile Megatron-Core's "
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "
-                   "refusal). Fix: compile_layers=false, or the Hugging Face model (parallel.tp=1, "
-                   "engine.deepspeed_model=auto).")
+                   "refusal). Fix: engine.compile_layers=false, or the Hugging Face model "
+                   f"({huggingface}).")
     if p.fp8_recipe is not None and zero.stage == 3:
         out.append("FP8 (precision.fp8_recipe) with zero.stage=3: torchao's float8 linears keep a view of the "
                    "whole weight for the backward, which ZeRO-3's release of gathered parameters does not free, "
@@ -171,7 +187,7 @@ def _feature_problems(engine, precision, zero, megatron_model: bool) -> list[str
         out.append("engine.compile_layers=true with zero.stage=3: ZeRO-3 gathers each parameter in forward hooks "
                    "on every submodule, which torch.compile of a whole layer traces as graph breaks; DeepSpeed's "
                    "route is its own compiler (DeepCompile, engine.compile()), which gridwright does not drive. "
-                   "Fix: compile_layers=false, or zero.stage=1 or 2.")
+                   "Fix: engine.compile_layers=false, or zero.stage=1 or 2.")
     if p.fp8_recipe is not None:
         if p.fp8_backend == "transformer_engine" or (p.fp8_backend == "auto" and p.fp8_recipe not in ("tensorwise", "rowwise")):
             out.append(f"FP8 recipe '{p.fp8_recipe}' through Transformer Engine needs Transformer Engine's layers; "
@@ -180,7 +196,7 @@ def _feature_problems(engine, precision, zero, megatron_model: bool) -> list[str
         if megatron_model:
             out.append("FP8 on engine=deepspeed with Megatron-Core's GPTModel is not built (torchao's float8 linears replace "
                        "the Hugging Face model's; Megatron-Core's TP linears get them on engine=megatron). "
-                       "Fix: the Hugging Face model (parallel.tp=1, engine.deepspeed_model=auto), or engine=megatron.")
+                       f"Fix: {huggingface} (the Hugging Face model), or engine=megatron.")
     return out
 
 

@@ -45,13 +45,15 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
             "checkpoints under Megatron-FSDP (zero.stage=3) use another format (fsdp_dtensor) that "
             "gridwright does not write yet. Fix: zero.stage=1 or 2 for checkpointed runs.")
     if z.offload_optimizer or z.offload_params:
+        offload_off = " ".join(f"zero.{k}=false" for k in ("offload_optimizer", "offload_params") if z[k])
         out.append(
             "CPU offload is a DeepSpeed feature here (ZeRO-Offload); engine=megatron has no such mode in "
-            "gridwright. Fix: engine=deepspeed, or zero.offload_optimizer=false.")
+            f"gridwright. Fix: engine=deepspeed, or {offload_off}.")
     if cfg.engine.overlap_param_gather and z.stage == 0:
         out.append(
             "engine.overlap_param_gather=true needs the distributed optimizer (zero.stage=1 or 2): "
-            "without sharding there is no parameter all-gather to overlap.")
+            "without sharding there is no parameter all-gather to overlap. "
+            "Fix: zero.stage=1, or engine.overlap_param_gather=false.")
     keys = explicit_deepspeed_only_keys(z)
     if keys:
         out.append(f"{', '.join(f'zero.{k}' for k in keys)}: DeepSpeed's ZeRO settings, which engine=megatron does "

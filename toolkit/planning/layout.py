@@ -6,7 +6,8 @@ arithmetic of Megatron-Core's `initialize_model_parallel` lives in one place.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from typing import Optional
 
 ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -106,8 +107,51 @@ class ParallelLayout:
         return "-".join(parts + [f"dp{self.dp}"])
 
     # Rules of Megatron-Core's rank grid -----------------------------------
+    def _grid_broken(self) -> set[str]:
+        """The grid rules this layout breaks, by name; cheap, for trying fixes."""
+        out = set()
+        if self.world_size % self.model_parallel_size:
+            out.add("dense")
+        if self.world_size % self.expert_model_parallel_size and not (self.ep == 1 and self.etp == self.tp):
+            out.add("expert")
+        if self.sp and self.tp == 1:
+            out.add("sp")
+        if self.vpp is not None and self.pp == 1:
+            out.add("vpp")
+        return out
+
+    def _grid_fix(self, rule: str, names: tuple[str, ...]) -> str:
+        """The overrides that answer `rule` by lowering degrees in `names` to divisors of
+        their values (so what divided by a degree, heads by TP or layers by PP, still does),
+        breaking no grid rule this layout keeps: the fewest degrees changed, then the
+        largest product kept. A null expert TP follows TP; SP and VPP are turned off where
+        TP or PP becomes 1."""
+        broken = self._grid_broken() - {rule}
+        candidates = []
+        for values in itertools.product(*(_divisors(getattr(self, n)) for n in names)):
+            changed = {n: v for n, v in zip(names, values) if v != getattr(self, n)}
+            if not changed:
+                continue
+            fields = dict(changed)
+            if "tp" in changed and "etp" not in changed and self.etp == self.tp:
+                fields["etp"] = changed["tp"]
+            extra = {}
+            if self.sp and fields.get("tp", self.tp) == 1:
+                fields["sp"], extra["sp"] = False, "false"
+            if self.vpp is not None and fields.get("pp", self.pp) == 1:
+                fields["vpp"], extra["vpp"] = None, "null"
+            if replace(self, **fields)._grid_broken() <= broken:
+                product = 1
+                for v in values:
+                    product *= v
+                candidates.append(((len(changed), -product, [-v for v in values]), changed, extra))
+        _, changed, extra = min(candidates, key=lambda c: c[0])
+        return " ".join([f"parallel.{n}={v}" for n, v in changed.items()]
+                        + [f"parallel.{n}={v}" for n, v in extra.items()])
+
     def problems(self) -> list[str]:
-        """Every way this layout cannot be built, each with the numbers and a fix."""
+        """Every way this layout cannot be built, each with the numbers and a fix; the
+        first suggestion of each grid fix is overrides that give a layout these rules accept."""
         out = []
         for name in ("tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
@@ -119,32 +163,34 @@ class ParallelLayout:
             out.append(
                 f"parallel.order='{self.order}' must name each of {'-'.join(ORDER_TOKENS)} once."
             )
-        if self.world_size % self.model_parallel_size:
+        broken = self._grid_broken()
+        if "dense" in broken:
             out.append(
                 f"world size {self.world_size} (cluster.nodes x cluster.gpus_per_node) is not "
                 f"divisible by TP*PP*CP = {self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size} "
                 f"(parallel.tp={self.tp}, parallel.pp={self.pp}, parallel.cp={self.cp}), so "
                 "DP = world/(TP*PP*CP) is not a whole number. "
-                f"Fix: choose degrees whose product divides {self.world_size}."
+                f"Fix: {self._grid_fix('dense', ('tp', 'pp', 'cp'))}, or other degrees whose product "
+                f"divides {self.world_size}."
             )
-        expert_grid_is_dense_grid = self.ep == 1 and self.etp == self.tp
-        if self.world_size % self.expert_model_parallel_size and not expert_grid_is_dense_grid:
+        if "expert" in broken:
             out.append(
                 f"the expert grid expert-TP*EP*PP = {self.etp}*{self.ep}*{self.pp} = "
                 f"{self.expert_model_parallel_size} does not divide world size "
-                f"{self.world_size} (Megatron-Core requires it). Fix: lower parallel.ep "
-                f"or parallel.etp."
+                f"{self.world_size} (Megatron-Core requires it). "
+                f"Fix: {self._grid_fix('expert', ('etp', 'ep', 'pp'))}, or other expert degrees "
+                f"(parallel.ep, parallel.etp) whose product with PP divides {self.world_size}."
             )
-        if self.sp and self.tp == 1:
+        if "sp" in broken:
             out.append(
                 "parallel.sp=true needs tensor parallelism, but parallel.tp=1. "
-                "Fix: set parallel.tp>1 or parallel.sp=false."
+                "Fix: parallel.sp=false, or set parallel.tp>1."
             )
         if self.vpp is not None:
-            if self.pp == 1:
+            if "vpp" in broken:
                 out.append(
                     f"parallel.vpp={self.vpp} (interleaved pipeline) needs parallel.pp>1. "
-                    "Fix: set parallel.pp>1 or parallel.vpp=null."
+                    "Fix: parallel.vpp=null, or set parallel.pp>1."
                 )
             if self.vpp < 1:
                 out.append(f"parallel.vpp={self.vpp} must be null or at least 1.")
@@ -155,3 +201,7 @@ class ParallelLayout:
                 "Fix: use an order ending in -pp."
             )
         return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

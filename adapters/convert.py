@@ -496,7 +496,7 @@ def _verifier(args, direction: str):
             hf_dir, megatron_dir = hf_dir or Path(args.hf), staged
         try:
             result = compare_logits(hf_dir, megatron_dir, tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
-                                    model=record["model_config"], round_to=args.dtype)
+                                    model=record["model_config"], round_to=args.dtype, progress=True)
         except (RuntimeError, OSError) as e:  # e.g. the Megatron-Core logits processes failed
             raise VerificationFailed(f"the verification could not run ({type(e).__name__}: {str(e)[-1500:]}); "
                                      f"nothing was written to {args.out}.") from e
@@ -518,13 +518,18 @@ def _digest_verifier(args):
     logits (transformers, fp32 compute) against the digest the training engine took of
     its own model when it saved (in the training precision)."""
     from ..checkpoints.logits_digest import digest, digest_difference, sample_tokens
-    from .verify_logits import ROUNDING, hf_logits
+    from ..planning.disk_space import size_text
+    from .verify_logits import ROUNDING, hf_logits, stage, weights_bytes
 
     def verify(staged: Path, record: dict) -> dict:
         manifest = read_manifest(Path(record["source"]))
         want = manifest["logits_digest"]
         tokens = sample_tokens(want["vocab_size"], *want["tokens"])
-        diff = digest_difference(digest(hf_logits(staged, tokens, ROUNDING.get(args.dtype))), want)
+        with stage(f"Hugging Face side: {size_text(weights_bytes(staged))} of weights into transformers, forward "
+                   f"on {tokens.shape[0]} x {tokens.shape[1]} tokens, against the digest saved with the checkpoint",
+                   True):
+            logits = hf_logits(staged, tokens, ROUNDING.get(args.dtype))
+        diff = digest_difference(digest(logits), want)
         precision = manifest["common"]["settings"]["params_dtype"]
         ok = diff <= args.tolerance
         print(f"verify: max |logit diff| {diff:.3e} against the DeepSpeed engine's own forward at save "

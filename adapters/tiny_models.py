@@ -51,6 +51,7 @@ def make_tiny_model(kind: str, out: Path, dtype=torch.float32, seed: int = 0, sh
             p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1 if "norm" in name or name.endswith("bias") else 0.08)
     model.to(dtype)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    transformers.utils.logging.disable_progress_bar()  # a bar for a write of a few hundred KiB
     model.save_pretrained(out, **kwargs)
     return out
 

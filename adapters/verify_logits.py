@@ -8,14 +8,24 @@ A conversion that casts (`--dtype bf16` of an fp32 checkpoint) compares like wit
 both sides' weights are rounded to that dtype, then both compute in fp32, so the
 tolerance measures the mapping and not the cast (the cast's own error, e.g. 3e-2 on the
 logits of a tiny model in bf16, would otherwise hide a mapping error of that size).
+
+A check takes half a minute on a tiny model and longer on a real one, most of it in the
+Megatron-Core processes, which each import Megatron-Core before they load anything. With
+`progress`, each side prints one line as it starts, with an estimate for the Megatron-Core
+side (`megatron_side_estimate_s`: the processes' measured start-up time, shared between the
+cores and the machine's load, plus the Hugging Face side's measured time for the same
+weights), and its measured time when it ends.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +47,7 @@ def round_weights(module: torch.nn.Module, dtype: torch.dtype | None) -> None:
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # the check prints its own stage lines
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.eval()
     round_weights(model, round_to)
@@ -72,15 +83,66 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
 
 ROUNDING = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Seconds one logits process takes to start before it reads a weight: Python, torch and
+# Megatron-Core imported, measured alone on the 2-core CI machine (7 s); and torchrun's own
+# start (2 s). The processes share the machine's cores.
+WORKER_START_S = 7.0
+TORCHRUN_START_S = 2.0
+
+
+def weights_bytes(hf_dir: str | Path) -> int:
+    """Bytes of a Hugging Face folder's safetensors files."""
+    return sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors"))
+
+
+def megatron_side_estimate_s(processes: int, hf_side_s: float, cores: int, busy: float = 0.0) -> float:
+    """Seconds the Megatron-Core side of a check should take: its processes' start, sharing
+    `cores` with `busy` other runnable processes (the load average), then the same weights
+    loaded and run as the Hugging Face side just did (its measured time)."""
+    shares = max(math.ceil(processes / cores), (processes + busy) / cores)
+    return TORCHRUN_START_S + WORKER_START_S * shares + hf_side_s
+
+
+def other_load() -> float:
+    """Runnable processes besides this one (the 1-minute load average, less this process,
+    which has just been busy with the Hugging Face side)."""
+    return max(0.0, os.getloadavg()[0] - 1.0)
+
+
+@contextlib.contextmanager
+def stage(text: str, show: bool):
+    """One progress line: `text` as the stage starts, its measured time appended at its end."""
+    started = time.perf_counter()
+    if show:
+        print(f"verify: {text} ...", end="", flush=True)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if show:
+            print(f" {time.perf_counter() - started:.1f} s" if ok else " failed", flush=True)
+
 
 def compare_logits(hf_dir, megatron_dir, tp=1, pp=1, vpp=None, ep=1, batch=2, seq=16, model=None,
-                   round_to: str | None = None) -> dict:
+                   round_to: str | None = None, progress: bool = False) -> dict:
     """Max |difference| of the two models' logits on the same tokens (fp32 compute, CPU);
-    `round_to` ('bf16', 'fp16') rounds both sides' weights to that dtype first."""
+    `round_to` ('bf16', 'fp16') rounds both sides' weights to that dtype first. `progress`
+    prints a line per side (what it does, the estimate, the time it took)."""
+    from ..planning.disk_space import size_text
+
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     tokens = sample_tokens(vocab, batch, seq * tp)  # SP splits the sequence over TP
-    ref = hf_logits(hf_dir, tokens, ROUNDING.get(round_to))
-    got = megatron_logits(megatron_dir, tokens, tp, pp, vpp, ep, model, round_to if round_to in ROUNDING else None)
+    started = time.perf_counter()
+    with stage(f"Hugging Face side (1/2): {size_text(weights_bytes(hf_dir))} of weights into transformers, "
+               f"forward on {tokens.shape[0]} x {tokens.shape[1]} tokens", progress):
+        ref = hf_logits(hf_dir, tokens, ROUNDING.get(round_to))
+    processes, cores = tp * pp * ep, len(os.sched_getaffinity(0))
+    estimate = megatron_side_estimate_s(processes, time.perf_counter() - started, cores, other_load())
+    with stage(f"Megatron-Core side (2/2): {processes} process{'es' if processes > 1 else ''} at TP={tp} PP={pp} "
+               f"EP={ep} on {cores} CPU core{'s' if cores > 1 else ''}, est. {estimate:.0f} s", progress):
+        got = megatron_logits(megatron_dir, tokens, tp, pp, vpp, ep, model,
+                              round_to if round_to in ROUNDING else None)
     if got.shape != ref.shape:
         raise RuntimeError(f"logits shapes differ: Hugging Face {tuple(ref.shape)}, Megatron-Core {tuple(got.shape)}")
     diff = (got - ref).abs()

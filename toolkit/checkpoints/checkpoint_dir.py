@@ -132,6 +132,12 @@ def holds_checkpoints(root: str | os.PathLike) -> bool:
     return (Path(root) / LATEST).is_file()
 
 
+def tree_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path` (one checkpoint directory): the size its save and
+    load lines report."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
 def iterations(root: str | os.PathLike) -> list[Path]:
     """The checkpoint directories under `root` (`iter_N`, complete or not; not `.partial`),
     oldest first."""

@@ -15,6 +15,12 @@ import os
 SHM_COMM = "deepspeed_shm_comm"  # gloo all-reduce through shared memory: every CPU run
 CPU_ADAM = "cpu_adam"  # the optimizer of ZeRO-Offload
 
+# Compiler CPU seconds of each op, measured (user time of `builder.load()` into an empty
+# TORCH_EXTENSIONS_DIR, 2-core CPU machine, gcc, 2026-11-28): the estimate a run announces.
+# Its wall time is about the same on an idle machine (the op's two sources compile one after
+# the other) and longer on a busy one.
+COMPILE_CPU_S = {SHM_COMM: 75, CPU_ADAM: 135}
+
 CITED = [
     ("deepspeed/ops/op_builder/cpu/comm.py", 'NAME = "deepspeed_shm_comm"'),
     ("deepspeed/ops/op_builder/cpu/cpu_adam.py", 'NAME = "cpu_adam"'),
@@ -44,3 +50,11 @@ def not_yet_built(names: list[str]) -> list[str]:
         if not built:
             out.append(name)
     return out
+
+
+def compile_estimate_s(names: list[str], cores: int = 1, busy: float = 0.0) -> float:
+    """Seconds the ops `names` take to compile: their measured compiler time (an op not
+    measured counts as the slowest measured one), stretched when the compiler shares the
+    machine's `cores` with `busy` other runnable processes (the load average)."""
+    cpu_s = sum(COMPILE_CPU_S.get(name, max(COMPILE_CPU_S.values())) for name in names)
+    return cpu_s * max(1.0, (1.0 + busy) / cores)

@@ -49,6 +49,7 @@ from ..deepspeed_internals import universal
 from ..checkpoints.logits_digest import digest, sample_tokens
 from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
+from .optimizer_schedule import restore_schedule
 from .deepspeed_rules import resharding, settings
 
 
@@ -130,10 +131,12 @@ def universal_copy(path: Path, job_dir: Path) -> Path:
     return final
 
 
-def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback: bool = False) -> tuple[int, Path]:
+def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike,
+         fallback: bool = False) -> tuple[int, Path, str | None]:
     """Restore model, optimizer, schedule and step from the newest checkpoint under `root`
-    (with `fallback`, the newest intact one); returns the step to continue from and the
-    checkpoint loaded. A checkpoint saved at another data-parallel size is converted into
+    (with `fallback`, the newest intact one); returns the step to continue from, the
+    checkpoint loaded, and the line saying how this run's config changed the learning-rate
+    schedule (None: unchanged). A checkpoint saved at another data-parallel size is converted into
     `job_dir`, the one directory every rank shares. Validation has refused what this would
     refuse; a job launched elsewhere (Slurm, torchrun lines) meets the same checks here."""
     path = checkpoint_to_load(root, fallback)
@@ -162,5 +165,5 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike, fallback:
         raise CheckpointError(f"DeepSpeed could not load {source}")
     if how == "universal" and cfg.zero.stage == 3:
         universal.restore_zero3_param_groups(trainer.engine.optimizer, source)  # DeepSpeed's defects
-    trainer.scheduler.load_state_dict(common["scheduler"])
-    return int(common["step"]), path
+    schedule_change = restore_schedule(trainer.scheduler, common["scheduler"], int(common["step"]))
+    return int(common["step"]), path, schedule_change

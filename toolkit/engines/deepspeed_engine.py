@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class DeepSpeedTrainer:
         from .deepspeed_checkpoint import resumes_through_universal
 
         if cfg.train.recompute == "full":  # every layer's activations recomputed in the backward, as Megatron's "full"
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if model.is_activation_checkpointing:  # read back from the model: what the summary reports is what runs
             self.spec_name = "huggingface+recompute"
         self.spec_name += torch_native_paths(model, cfg)
@@ -140,8 +141,8 @@ class DeepSpeedTrainer:
             return None
         from . import deepspeed_checkpoint
 
-        first_step, path = deepspeed_checkpoint.load(self, ck.load, job_dir, fallback=ck.fallback)
-        return Resumed(first_step, path, f"resuming after step {first_step}")
+        first_step, path, schedule_change = deepspeed_checkpoint.load(self, ck.load, job_dir, fallback=ck.fallback)
+        return Resumed(first_step, path, f"resuming after step {first_step}", schedule_change)
 
     def save(self, step: int, root):
         from . import deepspeed_checkpoint
@@ -178,17 +179,40 @@ def torch_native_paths(model, cfg) -> str:
 
 
 @contextlib.contextmanager
+def first_start(cfg):
+    """Around building the trainer: DeepSpeed's C++ ops compile on first use (minutes, once
+    per machine), so rank 0 announces that with an estimate and says how long it took;
+    DeepSpeed's own "... built successfully" print, made by every rank at every start, is
+    dropped (known_warnings.PRINTED)."""
+    from ..deepspeed_internals.extensions import compile_estimate_s
+    from ..runtime.known_warnings import printed_lines_filtered
+
+    pending = extensions_to_build(cfg.cluster, cfg.zero)
+    announce = bool(pending) and os.environ.get("RANK", "0") == "0"
+    if announce:
+        busy = max(0.0, os.getloadavg()[0] - 1.0)  # runnable processes besides this one
+        estimate = compile_estimate_s(pending, len(os.sched_getaffinity(0)), busy)
+        print(f"deepspeed   compiling {', '.join(pending)} on first use, est. {estimate:.0f} s (the compiler time "
+              f"measured on 2 CPU cores, at this machine's load {busy + 1:.1f}); once, cached by torch afterwards",
+              flush=True)
+    started = time.perf_counter()
+    with printed_lines_filtered():
+        yield
+    if announce:
+        print(f"deepspeed   compiled {', '.join(pending)} and started in {time.perf_counter() - started:.0f} s",
+              flush=True)
+
+
+@contextlib.contextmanager
 def open_trainer(cfg, layout: ParallelLayout, job_dir):
     """One rank's DeepSpeed trainer: the Hugging Face model, or Megatron-Core's GPTModel
     (engine.deepspeed_model; deepspeed_tensor_parallel, with Megatron-Core's fixes and CPU
     workarounds as in its own engine); process groups are destroyed at the end."""
-    pending = extensions_to_build(cfg.cluster, cfg.zero)
-    if pending and os.environ.get("RANK", "0") == "0":
-        print(f"deepspeed   compiling {', '.join(pending)} on first use (several minutes on a small machine, "
-              "once; cached by torch afterwards)", flush=True)
     cache = os.path.join(job_dir or ".", "data_cache")
     if not builds_megatron_model(cfg.engine, cfg.parallel):
-        yield DeepSpeedTrainer(cfg, layout, cache)
+        with first_start(cfg):
+            trainer = DeepSpeedTrainer(cfg, layout, cache)
+        yield trainer
         dist.destroy_process_group()
         return
     from megatron.core import parallel_state as ps
@@ -199,6 +223,8 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
-        yield DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout), cache)
+        with first_start(cfg):
+            trainer = DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout), cache)
+        yield trainer
         ps.destroy_model_parallel()
         dist.destroy_process_group()

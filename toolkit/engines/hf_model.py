@@ -152,7 +152,8 @@ def causal_lm_loss(model, batch, m) -> tuple[torch.Tensor, torch.Tensor]:
     the Megatron engine computes it (Megatron-Core's indexed dataset masks padding, whose
     labels it rewrites), plus Megatron-Core's load-balancing loss for a mixture of experts."""
     moe = m.num_experts > 0
-    out = model(input_ids=batch["tokens"], **({"output_router_logits": True} if moe else {}))
+    # No KV cache: training never reads one (and transformers warns when recomputed layers are asked for one)
+    out = model(input_ids=batch["tokens"], use_cache=False, **({"output_router_logits": True} if moe else {}))
     logits = out.logits
     per_token = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), batch["labels"].view(-1), reduction="none")
     mask = batch["loss_mask"].view(-1).float()

@@ -28,6 +28,7 @@ from ..checkpoints.checkpoint_trust import read_dcp_metadata, refuse_pickled_cod
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
 from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
+from .optimizer_schedule import restore_schedule
 
 
 def _layout_signature(layout) -> dict:
@@ -186,9 +187,11 @@ def save(trainer, step: int, root: str | os.PathLike) -> Path:
     return Path(root) / iteration_name(step)
 
 
-def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback: bool = False) -> tuple[int, Path]:
+def load(trainer, root: str | os.PathLike, weights_only: bool = False,
+         fallback: bool = False) -> tuple[int, Path, str | None]:
     """Restore from the newest checkpoint under `root` (with `fallback`, the newest intact
-    one); returns the step to continue from and the checkpoint loaded."""
+    one); returns the step to continue from, the checkpoint loaded, and the line saying how
+    this run's config changed the learning-rate schedule (None: unchanged)."""
     from megatron.core import dist_checkpointing
 
     path = checkpoint_to_load(root, fallback)
@@ -233,9 +236,9 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False, fallback:
         # "from" a converted checkpoint trained from its own random draw after step 0 (seen on
         # 2 x H200: the Megatron engine parted from DeepSpeed started on the same weights).
         trainer.optimizer.reload_model_params()
-        return 0, path
+        return 0, path, None
     trainer.optimizer.load_state_dict(_match_optimizer_structure(loaded["optimizer"], target_optimizer, path))
-    trainer.scheduler.load_state_dict(common["scheduler"])
+    schedule_change = restore_schedule(trainer.scheduler, common["scheduler"], int(common["step"]))
     if same_layout:
         _set_rng_state(loaded["rng"])
-    return int(common["step"]), path
+    return int(common["step"]), path, schedule_change

@@ -201,9 +201,10 @@ class MegatronTrainer:
 
     def load(self, job_dir) -> Resumed:
         ck = self.cfg.checkpoint
-        first_step, path = megatron_checkpoint.load(self, ck.load, weights_only=ck.weights_only, fallback=ck.fallback)
+        first_step, path, schedule_change = megatron_checkpoint.load(self, ck.load, weights_only=ck.weights_only,
+                                                                     fallback=ck.fallback)
         what = f"resuming after step {first_step}" if first_step else "weights only: training starts at step 0"
-        return Resumed(first_step, path, what)
+        return Resumed(first_step, path, what, schedule_change)
 
     def save(self, step: int, root):
         return megatron_checkpoint.save(self, step, root)

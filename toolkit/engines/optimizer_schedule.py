@@ -10,6 +10,8 @@ under exactly the Megatron engine's rules instead of a hand-written copy:
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .megatron_model import DTYPES
@@ -81,3 +83,32 @@ def lr_scheduler(train, optimizer):
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
     )
+
+
+# The scheduler's saved settings and the config keys that set them (lr_scheduler above).
+_SCHEDULE_KEYS = (("lr_decay_steps", "train.steps"), ("max_lr", "train.lr"), ("min_lr", "train.min_lr"),
+                  ("lr_warmup_steps", "train.warmup_steps"), ("lr_decay_style", "the decay style"))
+
+
+def restore_schedule(scheduler, saved: dict, step: int) -> str | None:
+    """Load the saved scheduler state into `scheduler` (built from this run's config, which
+    wins: lr_scheduler's override) and say, in one line, when the config changed the
+    schedule since the save, with the learning rate of step `step` before and after: a run
+    extended from 10 to 20 steps otherwise re-derives its cosine silently (with the default
+    rates, 1.0e-3 at step 10 becomes 6.3e-3). None when the schedule is the saved one."""
+    scheduler.load_state_dict(saved)
+    changed = [(key, name) for key, name in _SCHEDULE_KEYS if key in saved and saved[key] != getattr(scheduler, key)]
+    if not changed:
+        return None
+    before = copy.copy(scheduler)  # the saved schedule, at the same step count
+    for key, _ in changed:
+        setattr(before, key, saved[key])
+    was = before.get_lr({"max_lr": before.max_lr, "min_lr": before.min_lr})
+    now = scheduler.get_lr({"max_lr": scheduler.max_lr, "min_lr": scheduler.min_lr})
+    what = ", ".join(f"{name} {_value(saved[key])} -> {_value(getattr(scheduler, key))}" for key, name in changed)
+    return (f"{what} change{'s' if len(changed) == 1 else ''} the LR schedule: "
+            f"lr at step {step} was {was:.1e}, is now {now:.1e}")
+
+
+def _value(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)

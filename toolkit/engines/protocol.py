@@ -48,11 +48,13 @@ class StateSharding:
 @dataclass(frozen=True)
 class Resumed:
     """Where a trainer's `load` left it: the first step to train, the checkpoint read and
-    what of it was taken (for the one line the loop prints)."""
+    what of it was taken (for the one line the loop prints), and how this run's config
+    changed the saved learning-rate schedule (a line of its own; None: it did not)."""
 
     first_step: int
     path: Any
     what: str
+    schedule_change: str | None = None
 
 
 class Trainer(Protocol):

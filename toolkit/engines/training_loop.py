@@ -12,6 +12,8 @@ import time
 
 import torch.distributed as dist
 
+from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, latest_checkpoint, tree_bytes
+from ..planning.disk_space import GIB, checkpoint_bytes, size_text
 from ..runtime.heartbeat import NO_PROGRESS
 from ..runtime.profiling import ProfileWindow
 from ..runtime.step_metrics import timed_step, write_memory_record
@@ -41,18 +43,23 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
     ck = cfg.checkpoint
     first_step = 0
     if ck.load:
+        if rank == 0:
+            _announce_large_load(ck)
         started = time.perf_counter()
         resumed = trainer.load(job_dir)
         if resumed is not None:
             first_step = resumed.first_step
             if rank == 0:
-                print(f"checkpoint  loaded {resumed.path} in {time.perf_counter() - started:.1f} s; {resumed.what}",
-                      flush=True)
+                print(f"checkpoint  loaded {resumed.path} in {time.perf_counter() - started:.1f} s "
+                      f"({size_text(tree_bytes(resumed.path))}); {resumed.what}", flush=True)
+                if resumed.schedule_change:
+                    print(f"resume      {resumed.schedule_change}", flush=True)
     if on_start is not None:
         on_start(trainer)
     on_cuda = cfg.cluster.device == "cuda"
     window = ProfileWindow(cfg, job_dir or ".", rank)
     every = cfg.data.eval_interval
+    saves = _SaveLines(cfg)
     for step in range(first_step, cfg.train.steps):
         window.before_step(step)
         metrics = timed_step(trainer.train_step, step, on_cuda)
@@ -73,12 +80,14 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
         due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
         signal = stop.agreed(trainer.device) if stop is not None else None
         if ck.save and (due or signal):
+            if rank == 0:
+                saves.announce(done)
             started = time.perf_counter()
             progress.phase("saving")
             path = trainer.save(done, ck.save)
             progress.phase("training")
             if rank == 0:
-                print(f"checkpoint  saved {path} in {time.perf_counter() - started:.1f} s", flush=True)
+                saves.done(path, time.perf_counter() - started)
         if signal:
             if rank == 0:
                 print(f"stopped     by signal {signal} after step {step}"
@@ -88,3 +97,43 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
     if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
         write_memory_record(job_dir, rank, on_cuda)
     dist.barrier()
+
+
+# A checkpoint larger than this gets a line before its save or load starts (they take
+# minutes); every save and load gets one line after, with its time and size.
+LARGE_CHECKPOINT = GIB
+
+
+def _announce_large_load(ck) -> None:
+    """Before a long load: which checkpoint, and how big."""
+    if not holds_checkpoints(ck.load):
+        return  # a Hugging Face folder (initial weights) or nothing yet
+    try:
+        path = latest_checkpoint(ck.load)
+    except CheckpointError:
+        return  # the load itself says what is wrong, on every rank
+    size = tree_bytes(path) if path is not None else 0
+    if size > LARGE_CHECKPOINT:
+        print(f"checkpoint  loading {path} ({size_text(size)})", flush=True)
+
+
+class _SaveLines:
+    """The save lines of rank 0: after each save its time and size; before a large one, its
+    estimated size and, from the second save on, the time the last save's rate gives."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.bytes_per_s: float | None = None
+
+    def announce(self, step: int) -> None:
+        size = checkpoint_bytes(self.cfg.model, self.cfg.precision)
+        if size <= LARGE_CHECKPOINT:
+            return
+        eta = f", est. {size / self.bytes_per_s:.0f} s at the last save's rate" if self.bytes_per_s else ""
+        print(f"checkpoint  saving step {step} to {self.cfg.checkpoint.save}: about {size_text(size)}{eta}",
+              flush=True)
+
+    def done(self, path, seconds: float) -> None:
+        size = tree_bytes(path)
+        self.bytes_per_s = size / max(seconds, 1e-3)
+        print(f"checkpoint  saved {path} in {seconds:.1f} s ({size_text(size)})", flush=True)

@@ -1,12 +1,28 @@
-"""Warnings the stack prints that say nothing a gridwright user can act on, filtered.
+"""Warnings and messages the stack prints that say nothing a gridwright user can act on, filtered.
 
-Each entry is (message regex, category, why it does not apply). They are expected on
-every machine this toolkit runs on, or on the machine kind named, and the README states
-the facts they carry once (no Transformer Engine or Apex here; Megatron-Core's own
-deprecations). Anything not listed still prints.
+Each entry names what it matches and why it does not apply. They are expected on every
+machine this toolkit runs on, or on the machine kind named, and the README states the
+facts they carry once (no Transformer Engine or Apex here; Megatron-Core's own
+deprecations). Anything not listed still prints. The stack speaks four ways, and each
+has its own narrow filter:
+
+    EVERYWHERE, ON_CPU  Python warnings: (message regex, category, why)
+    LOGGERS             a library logger's level: (logger, level, why)
+    LOG_MESSAGES        one message of one logger: (logger, message regex, why)
+    PRINTED             a line a library prints with print(), dropped only while the
+                        call that prints it runs (`printed_lines_filtered`): (regex, why)
+    NATIVE_STDERR       a line C++ writes to file descriptor 2, dropped only while the
+                        call that writes it runs (`native_stderr_filtered`): (regex, why)
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+import tempfile
 import warnings
 
 EVERYWHERE = (
@@ -24,6 +40,11 @@ EVERYWHERE = (
      "Megatron-Core 0.16.1's distributed checkpoints are built on ShardedTensor"),
     ("The pad token id in the tokenizer collides with another special token id", UserWarning,
      "gridwright's tokenizers pad with end-of-document; packed GPT samples have no padding to mask"),
+    (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated "
+     "and will be removed in v6", FutureWarning,
+     "transformers 5 renamed gradient checkpointing to activation checkpointing; gridwright calls the new "
+     "names (an older gridwright read `is_gradient_checkpointing` and printed this on every DeepSpeed run), "
+     "a caller written for transformers 4 still reaches the old ones, with nothing for a user to change"),
 )
 ON_CPU = (
     ("it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,
@@ -31,19 +52,125 @@ ON_CPU = (
 )
 
 
-# Loggers quietened to errors: (logger, why its warnings do not apply).
+# Loggers set to a level: (logger, level, why the messages below it do not apply).
 LOGGERS = (
-    ("torchao", "at import it reports its optional CUDA extensions (MXFP8, CUTLASS) that do not load here; "
-                "the float8 training gridwright uses is plain PyTorch"),
-    ("torch.utils._pytree", "torchao 0.18 registers an Enum the way torch 2.11+ deprecates, once per process"),
+    ("torchao", logging.ERROR, "at import it reports its optional CUDA extensions (MXFP8, CUTLASS) that do not "
+                               "load here; the float8 training gridwright uses is plain PyTorch"),
+    ("torch.utils._pytree", logging.ERROR, "torchao 0.18 registers an Enum the way torch 2.11+ deprecates, once per "
+                                           "process"),
+    ("matplotlib.font_manager", logging.WARNING,
+     "matplotlib builds its font cache the first time it is imported on a machine and says so at INFO; under "
+     "Hydra's logging (INFO, on the terminal) a sweep's first plot printed `[HYDRA] generated new fontManager`. "
+     "Its warnings (a font not found) still print"),
 )
+
+# Single messages of one logger: (logger that emits it, message regex, why).
+LOG_MESSAGES = (
+    ("transformers.modeling_rope_utils",
+     r"`rope_parameters`'s original_max_position_embeddings field must be less than max_position_embeddings",
+     "Llama 3.1's rope scaling names the 8192 positions it was pre-trained on (families/llama.py); a model "
+     "given fewer positions (the tiny models: 256) computes the same frequencies, which the converter's "
+     "logits check compares with Megatron-Core's. Printed once per config object (twice per tiny model)"),
+)
+
+# Lines libraries print with print(): (regex, why). Dropped only around the call named.
+PRINTED = (
+    (r"^DeepSpeed deepspeed\.ops\.\S+ built successfully$",
+     "DeepSpeed 0.19.8 prints it from every rank each time a C++ op loads, from torch's cache too "
+     "(deepspeed/comm/torch.py, build_shm_op); gridwright says itself when an op is compiled and how long "
+     "that took (engines.deepspeed_engine)"),
+)
+
+# Lines C++ writes straight to file descriptor 2: (regex, why). Dropped only around the call named.
+NATIVE_STDERR = (
+    (r"^USDT:\S+ \S+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$",
+     "libkineto marks the start and stop of every trace for USDT probes (a tracing hook for system tools), "
+     "at a severity above ERROR, so torch's own suppression of kineto's messages lets it through; "
+     "gridwright names the traced steps itself"),
+)
+
+
+class _MessageFilter(logging.Filter):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
 
 
 def filter_known_warnings(device: str | None = None) -> None:
     """Install the filters (`device` 'cpu' adds the CPU-only ones)."""
-    import logging
-
-    for name, _why in LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for name, level, _why in LOGGERS:
+        logging.getLogger(name).setLevel(level)
+    for name, pattern, _why in LOG_MESSAGES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _MessageFilter) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_MessageFilter(pattern))
     for message, category, _why in EVERYWHERE + (ON_CPU if device == "cpu" else ()):
         warnings.filterwarnings("ignore", message=f".*{message}", category=category)
+
+
+def _known(line: str, entries) -> bool:
+    return any(re.search(pattern, line) for pattern, _why in entries)
+
+
+class _LineFilter(io.TextIOBase):
+    """A text stream that passes every whole line to `out` except those of `entries`."""
+
+    def __init__(self, out, entries):
+        self.out, self.entries, self.pending = out, entries, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not _known(line, self.entries):
+                self.out.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close_pending(self) -> None:
+        if self.pending and not _known(self.pending, self.entries):
+            self.out.write(self.pending)
+        self.pending = ""
+
+
+@contextlib.contextmanager
+def printed_lines_filtered():
+    """Drop the PRINTED lines that Python code prints while this block runs; every other
+    line passes, in order. Only sys.stdout is wrapped, and only for the block."""
+    out = sys.stdout
+    filtered = _LineFilter(out, PRINTED)
+    try:
+        with contextlib.redirect_stdout(filtered):
+            yield
+    finally:
+        filtered.close_pending()
+        out.flush()
+
+
+@contextlib.contextmanager
+def native_stderr_filtered():
+    """Drop the NATIVE_STDERR lines that C++ code writes to file descriptor 2 while this
+    block runs: fd 2 goes to a file for the block, and every other line written meanwhile
+    (Python's too) is written to the real fd 2 afterwards, in order. For short calls only:
+    a line waits until the block ends."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                held.seek(0)
+                for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                    if not _known(line.rstrip("\n"), NATIVE_STDERR):
+                        os.write(2, line.encode())
+    finally:
+        os.close(saved)

@@ -7,6 +7,11 @@ rather than through its wait/warmup/active schedule, so that the traced steps ar
 exactly the ones named, and every step is marked by a `gridwright_step_N` range (the
 interval the step timer measures, `step_metrics.timed_step`), which the analysis takes
 as the step's window.
+
+libkineto writes a `USDT: ... profiler_start` / `profiler_stop` line to the terminal at
+every start and stop, which torch does not silence; the two calls run under
+`known_warnings.native_stderr_filtered`, which drops those lines and lets the rest of
+what kineto says (its errors) through.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from ..atomic_io import write_text_atomic
+from .known_warnings import native_stderr_filtered
 
 TRACES_DIR = "traces"
 STEP_RANGE_PREFIX = "gridwright_step_"
@@ -51,7 +57,8 @@ class ProfileWindow:
         if self.on_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=False)
-        self.profiler.start()
+        with native_stderr_filtered():
+            self.profiler.start()
 
     def writes_after(self, step: int) -> bool:
         """Whether after_step(step) writes the trace (it ends the window)."""
@@ -63,7 +70,8 @@ class ProfileWindow:
         self.timer[step] = step_time_s
         if step != self.last - 1:
             return
-        self.profiler.stop()
+        with native_stderr_filtered():
+            self.profiler.stop()
         out = trace_path(self.job_dir, self.rank)
         out.parent.mkdir(parents=True, exist_ok=True)
         raw = out.with_name(f".{out.name}.{os.getpid()}.json")

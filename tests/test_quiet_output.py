@@ -25,6 +25,7 @@ UPSTREAM_NOISE = (
     r"is_gradient_checkpointing|gradient_checkpointing_enable",
     r"^USDT:|profiler_(start|stop)",  # libkineto
     r"fontManager",  # matplotlib under Hydra's logging
+    r"\[HYDRA\]",  # Hydra's own log lines (its launcher's per-point lines: gridwright prints `point`)
     r"Warning|warn\(",  # any Python warning and the source line printed under it
     r"^\[W",  # torch's C++ warnings ([W1128 ...])
     r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(INFO|WARNING)\]",  # DeepSpeed's logger
@@ -33,7 +34,7 @@ UPSTREAM_NOISE = (
 
 # gridwright's own lines: a label in the 12-column margin, indented continuations and tables.
 VOCABULARY = (
-    r"^(experiment|model|cluster|layout|batch|job dir|sweep dir|sweep|summary|mlflow|checkpoint|resume|deepspeed)"
+    r"^(experiment|model|cluster|layout|batch|job dir|sweep dir|sweep|point|summary|mlflow|checkpoint|resume|deepspeed)"
     r" +\S",
     r"^FLOPs/token \S",
     r"^placement$",
@@ -45,8 +46,6 @@ VOCABULARY = (
     r"^verify: ",
     r"^wrote \S+: \d+ Hugging Face tensors in ",
     r"^train from it: python launch\.py ",
-    # Hydra's launcher names each point of a sweep with its overrides (gridwright prints no other line with them)
-    r"^\[\d{4}-\d\d-\d\d [\d:,]+\]\[HYDRA\] (Launching \d+ jobs locally|\t#\d+ : \S)",
     r"^$",
 )
 
@@ -80,7 +79,7 @@ placement
 step     0 loss 5.5500 lr 0.00e+00 53 ms 4846 tok/s/gpu
 checkpoint  saved /tmp/ck/iter_0000010 in 0.5 s (2.7 MiB)
 resume      train.steps 10 -> 20 changes the LR schedule: lr at step 10 was 1.0e-03, is now 6.3e-03
-[2026-11-28 06:27:06,231][HYDRA] \t#0 : parallel.tp=1 train.steps=4"""
+point       #0: parallel.tp=1"""
     assert foreign_lines(ours) == []
     theirs = [
         "[transformers] `rope_parameters`'s original_max_position_embeddings field must be less than "
@@ -90,6 +89,7 @@ resume      train.steps 10 -> 20 changes the LR schedule: lr at step 10 was 1.0e
         "  warnings.warn(",
         "USDT:2026-11-28 06:27:15 13654:13654 SyncActivityProfilerHandler.cpp:52] profiler_start",
         "[2026-11-28 06:27:06,231][HYDRA] generated new fontManager",
+        "[2026-11-28 06:27:06,231][HYDRA] Launching 2 jobs locally",
         "Loading weights: 100%|██████████| 39/39 [00:00<00:00, 9184.09it/s]",
     ]
     assert foreign_lines("\n".join(theirs)) == theirs

@@ -62,6 +62,9 @@ LOGGERS = (
      "matplotlib builds its font cache the first time it is imported on a machine and says so at INFO; under "
      "Hydra's logging (INFO, on the terminal) a sweep's first plot printed `[HYDRA] generated new fontManager`. "
      "Its warnings (a font not found) still print"),
+    ("hydra._internal.core_plugins.basic_launcher", logging.WARNING,
+     "Hydra's local launcher logs `Launching N jobs locally` and each job's overrides; a sweep prints its own "
+     "`point` line per point (gridwright.tracking.sweep)"),
 )
 
 # Single messages of one logger: (logger that emits it, message regex, why).

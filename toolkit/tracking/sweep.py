@@ -211,6 +211,9 @@ class SweepCallback(Callback):
     def on_job_start(self, config, **kwargs) -> None:
         if self.sweep is not None:
             self.sweep.point_started_ms = _now_ms()
+            swept = swept_keys(self.sweep.record.overrides)
+            varied = [str(o) for o in config.hydra.overrides.task if override_key(str(o)) in swept]
+            print(f"point       #{config.hydra.job.num}: {' '.join(varied)}", flush=True)
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         sweep = self.sweep

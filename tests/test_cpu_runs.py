@@ -59,10 +59,10 @@ def test_default_run_logs_to_mlflow(run_launch, tmp_path):
     metrics = run.data.metrics
     assert set(metrics) == {"loss", "lr", "grad_norm", "step_time_ms", "step_tok_s_gpu", "tok_s_gpu", "step_ms",
                             "peak_mem_gib", "final_loss"}  # a CPU has no known peak: no made-up MFU
-    assert metrics["tok_s_gpu"] == pytest.approx(summary["tokens_per_s_per_gpu"])
-    assert metrics["step_ms"] == pytest.approx(1000 * summary["mean_step_time_s"])
-    assert metrics["final_loss"] == pytest.approx(history[-1]["loss"])
-    assert metrics["peak_mem_gib"] == pytest.approx(summary["memory_peak_gib"])
+    assert metrics["tok_s_gpu"] == pytest.approx(summary["tokens_per_s_per_gpu"], abs=0.05)  # rounded for the table
+    assert metrics["step_ms"] == pytest.approx(1000 * summary["mean_step_time_s"], abs=0.005)
+    assert metrics["final_loss"] == pytest.approx(history[-1]["loss"], abs=5e-5)
+    assert metrics["peak_mem_gib"] == pytest.approx(summary["memory_peak_gib"], abs=5e-4)
     view = json.loads(exp.tags["mlflow.sharedViewState.gridwright-runs"])
     assert "metrics.`tok_s_gpu`" in view["selectedColumns"] and "tags.`gridwright.layout`" in view["selectedColumns"]
     assert run.data.params["flops.definition"] == "megatron" and run.data.params["flops.peak_kind"] == "bf16"

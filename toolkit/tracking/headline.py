@@ -79,7 +79,15 @@ def run_metrics(summary: dict, plan: dict) -> dict[str, float]:
         "final_loss": _num(summary.get("last_loss")),
     }
     values.update({EXPOSED_GROUP.format(group=g): ms for g, ms in exposed_by_group(summary).items()})
-    return {k: v for k, v in values.items() if v is not None}
+    return {k: readable(k, v) for k, v in values.items() if v is not None}
+
+
+def readable(name: str, value: float) -> float:
+    """The value rounded to what a table cell shows and a comparison needs (MLflow prints
+    every digit it holds: 29.48949... in a column 8 characters wide); summary.json keeps
+    the exact one."""
+    places = 4 if name == "final_loss" else 3 if name.endswith("_gib") else 1 if name == "tok_s_gpu" else 2
+    return round(value, places)
 
 
 def step_metrics(row: dict) -> dict[str, float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..atomic_io import write_text_atomic
 from ..runtime.jobdir import PLAN_FILE, SUMMARY_FILE, read_json
-from .headline import mfu_both
+from .headline import mfu_both, readable
 
 COMPARISON_MD = "comparison.md"
 COMPARISON_CSV = "comparison.csv"
@@ -128,7 +128,7 @@ class SweepReport:
                   "exposed_comm_ms": b["exposed_comm_ms"], "peak_mem_gib": b["memory_peak_gib"],
                   "final_loss": b["final_loss"],
                   **{f"exposed_{g}_ms": ms for g, ms in b["exposed_ms"].items()}}
-        return {k: v for k, v in values.items() if v is not None}
+        return {k: readable(k, v) for k, v in values.items() if v is not None}
 
     def terminal_lines(self) -> list[str]:
         """The end-of-sweep table: one line per point, the numbers of the comparison."""

@@ -41,6 +41,7 @@ def sync_sweep(path: Path, uri_arg: str | None) -> None:
         print(f"logged {path}: sweep run {parent} with {created} new run(s) in {uri}")
     else:
         print(f"already logged: {parent}")
+    print("\n".join(tracking.sweep_links(uri, parent)))
 
 
 def sync_job(path: Path, uri_arg: str | None) -> None:

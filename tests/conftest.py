@@ -1,6 +1,7 @@
 """Shared helpers: compose configs, and run `launch.py` as a user would, in a subprocess."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -29,9 +30,9 @@ def compose():
     return _compose
 
 
-def launch(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(args: list[str], cwd: Path, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
     """Run `python launch.py ARGS` from `cwd`; output captured as text."""
-    env = dict(os.environ)
+    env = dict(os.environ, **extra_env)
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("MLFLOW_RUN_ID", None)
     return subprocess.run(
@@ -80,3 +81,40 @@ def only_job_dir(tmp_path: Path) -> Path:
     dirs = [p for p in (tmp_path / "jobs").glob("*/*") if p.is_dir()]
     assert len(dirs) == 1, dirs
     return dirs[0]
+
+
+@contextlib.contextmanager
+def serving_mlflow(store_uri: str, cwd: Path, *extra: str, command: str = "server"):
+    """`mlflow server` (or `mlflow ui`) on a free loopback port for a test, with one worker
+    (2 cores); yields its address once `/health` answers, and stops it with its children."""
+    import signal
+    import time
+    import urllib.request
+
+    from gridwright.runtime.loopback import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", store_uri, *extra],
+        cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"mlflow {command} did not come up")
+            time.sleep(1)
+    try:
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a loaded machine: the server's workers are slow to stop
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)

@@ -4,18 +4,12 @@ columns shown, the sweep's on its points grouped under it, and its chart renders
 
 Screenshots are saved into the test's temporary folder (`--basetemp` keeps them).
 """
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
-from conftest import launch
+from conftest import launch, serving_mlflow
+from test_quiet_output import foreign_lines
 
-from gridwright.runtime.loopback import free_port
 
 pytestmark = pytest.mark.slow  # trains, serves MLflow and drives a browser
 
@@ -40,36 +34,22 @@ def browser():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """The quick start and a two-point sweep, run from one folder into its local store, and
-    `mlflow ui` serving that store. Yields (folder, UI address, quick start's output,
-    sweep's output)."""
+    """The quick start and a two-point traced sweep, run from one folder into its local store
+    (their terminal output holds no upstream noise), and `mlflow ui` serving that store. Yields (UI address, quick start's output, sweep's output)."""
     tmp = tmp_path_factory.mktemp("ui")
     quick = launch([], cwd=tmp, timeout=600)
     assert quick.returncode == 0, quick.stderr[-3000:]
-    sweep = launch(["-m", "parallel.tp=1,2", "train.steps=3"], cwd=tmp, timeout=900)
+    # The README's traced sweep, with an empty matplotlib cache: its first plot builds it,
+    # as on a fresh machine.
+    sweep = launch(["-m", "parallel.tp=1,2", "evaluate.profile_steps=[1,3]", "train.steps=3"], cwd=tmp, timeout=900,
+                   MPLCONFIGDIR=str(tmp / "matplotlib"))
     assert sweep.returncode == 0, sweep.stderr[-3000:]
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            break
-        except OSError:
-            if time.time() > deadline or server.poll() is not None:
-                os.killpg(server.pid, signal.SIGKILL)
-                pytest.fail("mlflow ui did not come up")
-            time.sleep(1)
-    yield tmp, base, quick.stdout, sweep.stdout
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
+    assert (tmp / "matplotlib").is_dir()
+    # What a user's terminal shows: gridwright's lines only, no upstream noise.
+    for output in (quick, sweep):
+        assert foreign_lines(output.stdout + output.stderr) == []
+    with serving_mlflow(f"sqlite:///{tmp / 'mlflow.db'}", tmp, command="ui") as base:
+        yield base, quick.stdout, sweep.stdout
 
 
 def printed_link(output: str, label: str, base: str) -> str:
@@ -101,17 +81,24 @@ def assert_model_training_runs_view(page) -> None:
         assert page.get_by_text(text, exact=True).count() == 0, f"GenAI view: {text!r} is shown"
 
 
+def check_runs_table(browser, url: str, names: list[str], shot) -> object:
+    """Open a `compare:` link fresh: the model-training runs table with the headline columns
+    and the named runs as rows; a screenshot at `shot`. Returns the page's context (open)."""
+    context, page = open_fresh(browser, url)
+    headers = visible_headers(page)
+    assert HEADLINE_HEADERS <= headers, headers
+    assert_model_training_runs_view(page)
+    for name in names:
+        page.get_by_role("link", name=name, exact=True).wait_for(timeout=30_000)
+    page.screenshot(path=str(shot))
+    return context, page
+
+
 def test_quick_start_link_opens_the_runs_table_with_headline_columns(store, browser, tmp_path):
-    tmp, base, quick, _ = store
-    context, page = open_fresh(browser, printed_link(quick, "compare", base))
-    try:
-        headers = visible_headers(page)
-        assert HEADLINE_HEADERS <= headers, headers
-        assert_model_training_runs_view(page)
-        assert page.get_by_role("link", name="tiny_llama dp2", exact=True).count() == 1  # the quick start's run
-        page.screenshot(path=str(tmp_path / "quick_start_runs_table.png"))
-    finally:
-        context.close()
+    base, quick, _ = store
+    context, _ = check_runs_table(browser, printed_link(quick, "compare", base), ["tiny_llama dp2"],
+                                  tmp_path / "quick_start_runs_table.png")
+    context.close()
     context, page = open_fresh(browser, printed_link(quick, "this run", base))
     try:
         page.get_by_text("tiny_llama dp2", exact=True).first.wait_for(timeout=60_000)
@@ -123,17 +110,13 @@ def test_quick_start_link_opens_the_runs_table_with_headline_columns(store, brow
 
 
 def test_sweep_link_shows_its_points_and_the_parents_chart(store, browser, tmp_path):
-    tmp, base, _, sweep = store
-    context, page = open_fresh(browser, printed_link(sweep, "compare", base))
+    base, _, sweep = store
+    # Both points are rows, grouped under the sweep and unfolded; the quick start's run, which
+    # took the plain name first, is not.
+    context, page = check_runs_table(browser, printed_link(sweep, "compare", base),
+                                     ["tiny_llama dp2 #2", "tiny_llama tp2-dp1"], tmp_path / "sweep_runs_table.png")
     try:
-        headers = visible_headers(page)
-        assert HEADLINE_HEADERS <= headers, headers
-        assert_model_training_runs_view(page)
-        # Both points are visible rows (the quick start's run took the plain name first).
-        for name in ("tiny_llama dp2 #2", "tiny_llama tp2-dp1"):
-            page.get_by_role("link", name=name, exact=True).wait_for(timeout=30_000)
-        assert page.get_by_role("link", name="tiny_llama dp2", exact=True).count() == 0  # not this sweep's
-        page.screenshot(path=str(tmp_path / "sweep_runs_table.png"))
+        assert page.get_by_role("link", name="tiny_llama dp2", exact=True).count() == 0
     finally:
         context.close()
     context, page = open_fresh(browser, printed_link(sweep, "chart", base))

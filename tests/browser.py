@@ -47,6 +47,9 @@ def ensure_browser() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         fetched = subprocess.run(["apt-get", "download", *PACKAGES], cwd=tmp, capture_output=True, text=True)
+        if fetched.returncode != 0 and os.geteuid() == 0:  # a fresh machine's package lists may be empty
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+            fetched = subprocess.run(["apt-get", "download", *PACKAGES], cwd=tmp, capture_output=True, text=True)
         if fetched.returncode != 0:
             raise NoBrowser(f"apt-get download failed: {fetched.stderr.strip().splitlines()[-1:]}")
         for deb in sorted(Path(tmp).glob("*.deb")):

@@ -72,6 +72,16 @@ class Recompute(StrEnum):
     full = "full"
 
 
+class CpMode(StrEnum):
+    STATIC = "static"  # one CP size (parallel.cp) for every sample
+    DYNAMIC = "dynamic"  # a CP size per document, balanced over the DP ranks (packed data)
+
+
+class LengthDistribution(StrEnum):
+    LOGNORMAL = "lognormal"
+    FIXED = "fixed"
+
+
 class Dispatcher(StrEnum):
     alltoall = "alltoall"
     allgather = "allgather"
@@ -137,6 +147,14 @@ class ParallelConfig:
     allow_tp_across_nvlink: bool = False
     allow_ep_across_nvlink: bool = False
     moe_token_dispatcher: str = choice("alltoall", Dispatcher)
+    # dynamic: Megatron-Core's hybrid context parallelism over packed documents (data.packing):
+    # each document gets the CP size its length needs, from groups of 1, 2, 4 ... DP ranks,
+    # and a balanced schedule spreads the documents over the DP ranks (parallel.cp stays 1).
+    cp_mode: str = choice("static", CpMode)
+    # dynamic: the most tokens of one document a rank holds at once (Megatron-Core's
+    # max_seqlen_per_dp_cp_rank); a longer document is split over 2, 4 ... ranks.
+    # None: train.seq_length // DP.
+    max_seqlen_per_rank: Optional[int] = None
 
 
 @dataclass
@@ -295,6 +313,18 @@ class TrainConfig:
 
 
 @dataclass
+class DocLengths:
+    """Document lengths of the synthetic packed stream (data.packing): a lognormal with
+    this median and sigma, clipped to [min, cap] (cap None: train.seq_length)."""
+
+    distribution: str = choice("lognormal", LengthDistribution)
+    median: int = 256
+    sigma: float = 1.0
+    min: int = 8
+    cap: Optional[int] = None
+
+
+@dataclass
 class DataConfig:
     """Training data: synthetic tokens, or datasets made by `python -m gridwright.data.prepare_data`."""
 
@@ -304,6 +334,11 @@ class DataConfig:
     split: str = "98/2/0"  # train/validation/test shares of the documents ("," works in YAML)
     eval_interval: int = 0  # validation loss every N steps (and after the last); 0: never
     eval_iters: int = 2  # global batches per validation
+    # Rows of whole documents (cu_seqlens): attention stays inside a document, positions
+    # restart, the loss is per token. Synthetic data then draws document lengths from
+    # doc_lengths; indexed data is cut at its EOD tokens.
+    packing: bool = False
+    doc_lengths: DocLengths = field(default_factory=DocLengths)
 
 
 @dataclass

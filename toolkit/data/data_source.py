@@ -52,9 +52,36 @@ class SyntheticSource:
         from . import synthetic_data  # imports torch, which validation (importing this module) does not
 
         t = self.train
-        seed = t.seed if split == "train" else t.seed + 10**6  # held-out stream for validation
         return synthetic_data.micro_batches(index, dp_rank, dp_size, num_micro, t.micro_batch_size,
-                                            t.seq_length, self.vocab_size, seed, device)
+                                            t.seq_length, self.vocab_size, _seed(t, split), device)
+
+
+def _seed(train, split: str) -> int:
+    return train.seed if split == "train" else train.seed + 10**6  # held-out stream for validation
+
+
+class PackedSource:
+    """Packed variable-length rows (`data.packing`), of either kind: each micro-batch is
+    its rows' documents in one THD sequence (`packing.pack`), padded per document to a
+    multiple of `pad_multiple`. Row numbering is the unpacked layout's, so the data
+    position is still a function of the step alone."""
+
+    def __init__(self, rows, train, pad_multiple: int):
+        self.rows, self.train, self.pad_multiple = rows, train, pad_multiple
+
+    def batches(self, split: str, index: int, dp_rank: int, dp_size: int, num_micro: int, device):
+        from .packing import pack
+
+        b = self.train.micro_batch_size
+        base = index * num_micro * b * dp_size + dp_rank * num_micro * b
+        for mb in range(num_micro):
+            docs = [d for i in range(b) for d in self.rows(split, base + mb * b + i)]
+            yield pack(docs, self.pad_multiple, device)
+
+    def global_documents(self, split: str, index: int) -> list:
+        """Every document of global batch `index`, in row order (dynamic CP schedules them)."""
+        g = self.train.global_batch_size
+        return [d for i in range(index * g, (index + 1) * g) for d in self.rows(split, i)]
 
 
 class _TokenizerInfo:
@@ -78,6 +105,7 @@ class IndexedSource:
         self.micro_batch_size = train.micro_batch_size
         d, t = data, train
         info = dataset_info(d.paths[0])
+        self.eod = info["eod"]
         evals = (t.steps // d.eval_interval + 1) if d.eval_interval else 0
         sizes = [t.steps * t.global_batch_size, evals * d.eval_iters * t.global_batch_size, 0]
         config = GPTDatasetConfig(
@@ -110,6 +138,25 @@ class IndexedSource:
             }
 
 
-def make_source(data, train, model, cache_dir: Path):
-    """The run's micro-batches: `data.kind` picks the source; `model` sizes synthetic tokens."""
-    return IndexedSource(data, train, cache_dir) if data.kind == "indexed" else SyntheticSource(train, model)
+    def rows(self, split: str, index: int) -> list:
+        """Sample `index` of `split` cut into its documents at the EOD tokens."""
+        from .packing import split_at_eod
+
+        item = (self.train if split == "train" else self.valid)[index]
+        return split_at_eod(np.asarray(item["tokens"]), np.asarray(item["labels"]),
+                            np.asarray(item["loss_mask"]), self.eod)
+
+
+def make_source(data, train, model, cache_dir: Path, pad_multiple: int = 1):
+    """The run's micro-batches: `data.kind` picks the source; `model` sizes synthetic tokens;
+    with `data.packing`, rows of whole documents padded to `pad_multiple` (PackedSource)."""
+    if not data.packing:
+        return IndexedSource(data, train, cache_dir) if data.kind == "indexed" else SyntheticSource(train, model)
+    if data.kind == "indexed":
+        return PackedSource(IndexedSource(data, train, cache_dir).rows, train, pad_multiple)
+    from .packing import synthetic_row
+
+    def rows(split, index):
+        return synthetic_row(index, train.seq_length, model.vocab_size, _seed(train, split), data.doc_lengths)
+
+    return PackedSource(rows, train, pad_multiple)

@@ -48,6 +48,50 @@ def _loss_func(loss_mask, output_tensor):
     return loss, {"lm loss": loss.detach().clone() * cp}
 
 
+def _token_loss(loss_mask, output_tensor):
+    """Packed data: the sum of this rank's token losses and their count (Megatron-Core's
+    per-token form: the schedule sums counts, finalize_model_grads divides by the global
+    count), so the loss is per token whatever the packing and the layout."""
+    local_sum = torch.sum(output_tensor.float().view(-1) * loss_mask.view(-1))
+    tokens = loss_mask.sum().to(torch.int)
+    return local_sum, tokens, {"lm loss": torch.stack([local_sum.detach(), tokens.detach().float()])}
+
+
+def _packed_forward_step(data_iterator, model):
+    """One THD micro-batch of whole documents (`packing.pack`); under static CP this rank
+    keeps chunks r and 2·CP-1-r of every document."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = next(data_iterator)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        batch = _documents_on_this_cp_rank(batch, ps.get_context_parallel_rank(), cp)
+    cu, longest = batch["cu_seqlens"], batch["max_seqlen"]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=params)
+    return output, partial(_token_loss, batch["loss_mask"])
+
+
+def _documents_on_this_cp_rank(batch: dict, rank: int, size: int) -> dict:
+    """Chunks `rank` and 2·size-1-`rank` of each document (of 2·size equal chunks; `pack`
+    padded each to a multiple of 2·size), in document order: the THD layout of
+    Megatron-Core's rope (rope_utils._get_thd_freqs_on_this_cp_rank)."""
+    bounds = batch["cu_seqlens"].tolist()
+    index = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        chunk = (end - start) // (2 * size)
+        for c in (rank, 2 * size - 1 - rank):
+            index.extend(range(start + c * chunk, start + (c + 1) * chunk))
+    index = torch.tensor(index, device=batch["tokens"].device)
+    out = dict(batch)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        out[key] = batch[key][:, index]
+    return out
+
+
 def _forward_step(data_iterator, model):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -125,7 +169,14 @@ class MegatronTrainer:
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = lr_scheduler(cfg.train, self.optimizer)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir)
+        self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir,
+                                pad_multiple=2 * layout.cp if layout.cp > 1 else 1)
+        self.dynamic_cp = None
+        if cfg.parallel.cp_mode == "dynamic":
+            from .dynamic_cp import DynamicContextParallel
+
+            self.dynamic_cp = DynamicContextParallel(self.data, max_seqlen_per_rank(cfg.parallel, t, layout),
+                                                     self.device)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = (
             ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -147,7 +198,7 @@ class MegatronTrainer:
             for _ in self.model
         ]
         return get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=_packed_forward_step if self.cfg.data.packing else _forward_step,
             data_iterator=iterators if len(self.model) > 1 else iterators[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=self.num_micro,
@@ -157,10 +208,28 @@ class MegatronTrainer:
             forward_only=forward_only,
         )
 
+    def _run_dynamic(self, split: str, index: int, forward_only: bool) -> tuple[list, dict]:
+        """Dynamic CP over one global batch (dynamic_cp), then the gradient reduction the
+        schedule would do: over every rank, divided by the global token count."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        result = self.dynamic_cp.run(self.model[0], self.tcfg, split, index, forward_only)
+        if not forward_only:
+            finalize_model_grads(self.model, num_tokens=result["tokens"].clone())
+        losses = [{"lm loss": torch.stack([result["loss_sum"], result["tokens"].float()])}]
+        return losses, self.dynamic_cp.step_facts(result)
+
     def _mean_loss(self, losses: list) -> float:
-        """Mean over micro-batches and DP (x CP) ranks, as every rank sees it."""
+        """Mean over micro-batches and DP (x CP) ranks, as every rank sees it; per token
+        with packed data."""
         from megatron.core import parallel_state as ps
 
+        if self.cfg.data.packing:
+            total = torch.zeros(2, device=self.device)  # loss sum, tokens
+            if ps.is_pipeline_last_stage(ignore_virtual=True) and losses:
+                total += torch.stack([x["lm loss"] for x in losses]).sum(0)
+            dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+            return float(total[0] / total[1])
         loss = torch.zeros(1, device=self.device)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             loss += torch.stack([x["lm loss"] for x in losses]).mean()
@@ -173,12 +242,17 @@ class MegatronTrainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._run_schedule("train", step, forward_only=False)
+        facts = {}
+        if self.dynamic_cp is not None:
+            losses, facts = self._run_dynamic("train", step, forward_only=False)
+        else:
+            losses = self._run_schedule("train", step, forward_only=False)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
         return {
+            **facts,
             "loss": self._mean_loss(losses),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -191,10 +265,9 @@ class MegatronTrainer:
         for m in self.model:
             m.eval()
         iters = self.cfg.data.eval_iters
-        total = sum(
-            self._mean_loss(self._run_schedule("valid", round_index * iters + i, forward_only=True))
-            for i in range(iters)
-        )
+        run = ((lambda i: self._run_dynamic("valid", i, forward_only=True)[0]) if self.dynamic_cp is not None
+               else (lambda i: self._run_schedule("valid", i, forward_only=True)))
+        total = sum(self._mean_loss(run(round_index * iters + i)) for i in range(iters))
         for m in self.model:
             m.train()
         return total / iters
@@ -210,6 +283,11 @@ class MegatronTrainer:
         return megatron_checkpoint.save(self, step, root)
 
 
+def max_seqlen_per_rank(parallel, train, layout: ParallelLayout) -> int:
+    """Dynamic CP: the most tokens of a document one rank holds (None: seq_length / DP)."""
+    return parallel.max_seqlen_per_rank or max(1, train.seq_length // layout.dp)
+
+
 @contextlib.contextmanager
 def open_trainer(cfg, layout: ParallelLayout, job_dir):
     """Process groups, Megatron-Core's fixes (and CPU workarounds), then one rank's trainer;
@@ -218,7 +296,7 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
-        init_parallel(cfg.cluster, cfg.watchdog, layout)
+        init_parallel(cfg.cluster, cfg.watchdog, layout, hybrid_cp=cfg.parallel.cp_mode == "dynamic")
         yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
         ps.destroy_model_parallel()
         dist.destroy_process_group()

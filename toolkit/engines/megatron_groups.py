@@ -12,9 +12,10 @@ from ..planning.layout import ParallelLayout
 from .timeouts import collective_timeout
 
 
-def init_parallel(cluster, watchdog, layout: ParallelLayout):
+def init_parallel(cluster, watchdog, layout: ParallelLayout, hybrid_cp: bool = False):
     """torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron-Core's process groups,
-    with the watchdog's collective timeout."""
+    with the watchdog's collective timeout; `hybrid_cp` adds the groups of 2, 4 ... DP
+    ranks dynamic context parallelism runs documents on."""
     from megatron.core import parallel_state as ps
 
     on_cpu = cluster.device == "cpu"
@@ -28,7 +29,7 @@ def init_parallel(cluster, watchdog, layout: ParallelLayout):
         raise RuntimeError(
             f"torchrun started {dist.get_world_size()} processes but the plan has {layout.world_size}"
         )
-    ps.initialize_model_parallel(**layout.megatron_sizes(), order=layout.order,
+    ps.initialize_model_parallel(**layout.megatron_sizes(), order=layout.order, hybrid_context_parallel=hybrid_cp,
                                  distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)))
 
 

@@ -11,6 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
 from ..config.validation import fp8_backend
+from . import torch_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,6 +44,9 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         fp16=p.params_dtype == "fp16",
         **layout.megatron_sizes(),
         sequence_parallel=layout.sp,
+        # Packed documents: the loss is a sum over tokens, divided by the global token count
+        # (finalize_model_grads), so it does not depend on how documents were packed.
+        calculate_per_token_loss=bool(cfg.data.packing),
         # Fusions below need Apex or TE kernels; the torch paths are used instead.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -87,35 +91,15 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
     return kw
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the CP group; the backward sums every rank's gradient and keeps
-    this rank's slice. (torch.distributed.nn's all_gather relies on reduce_scatter, which
-    gloo lacks.)"""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        import torch.distributed as dist
-
-        ctx.group, ctx.rank = group, dist.get_rank(group)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None
-
-
 class SDPACoreAttention(MegatronModule):
     """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient).
 
     Megatron-Core's own fallback materialises the S x S score matrix; on one H200 it gave
     18.7 % MFU where SDPA gave 30.3 % (measured while building this module). Receives [s, b, heads, dim] tensors
-    (key/value with the GQA group count) and returns [s, b, heads * dim].
+    (key/value with the GQA group count) and returns [s, b, heads * dim]; packed documents
+    (`packed_seq_params.qkv_format == "thd"`) arrive as [t, heads, dim]. A single document
+    of a dynamic-CP schedule arrives as [s, 1, heads, dim] with its own CP group in
+    `packed_seq_params.cp_group`. The computations are in `torch_attention`.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
@@ -127,72 +111,28 @@ class SDPACoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
-        if self.cp_size > 1:
-            out = self._context_parallel(q, k, v)
-        else:
-            out = self._sdpa(q, k, v, None)
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-    def _sdpa(self, q, k, v, lower_right_causal):
-        """Causal SDPA; `lower_right_causal` = (queries, keys) aligns the causal diagonal to
-        the last key (queries that come after keys[:-queries]), as flash attention does."""
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask = None if lower_right_causal is None else causal_lower_right(*lower_right_causal)
-        if mask is not None and k.shape[1] != q.shape[1]:
-            # The lower-right causal path calls the flash kernel without GQA: give it every head.
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        return F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=self.dropout if self.training else 0.0,
-            scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
-
-    # Eager inside compiled layers: dynamo cannot trace SDPA's lower-right causal bias (torch
-    # 2.11), and a graph break in the chunk loop would drop the whole frame to eager with a
-    # recompile per shape anyway; the attention kernels are the same either way.
-    @torch.compiler.disable
-    def _context_parallel(self, q, k, v):
-        """Context parallelism: every rank's keys and values gathered, then one causal SDPA
-        per local chunk over the keys before it (Megatron-Core's load-balanced layout gives
-        rank r chunks r and 2*CP-1-r of 2*CP, so both halves together see 2*CP+1 chunks of
-        keys on every rank). Each call is a lower-right causal mask, which SDPA's flash and
-        memory-efficient kernels take natively: no S x S mask is ever built. Keys and values
-        are gathered whole (memory O(s) per rank, communication not overlapped), unlike a
-        ring; with GQA they are the small tensors. TE's ring attention is the path where TE
-        exists."""
         from megatron.core import parallel_state as ps
 
-        group = ps.get_context_parallel_group()
-        rank, size = ps.get_context_parallel_rank(), self.cp_size
-        half = q.shape[2] // 2
-        keys = _gather_chunks_in_order(k, group, size)  # [b, groups, s, dim], global order
-        values = _gather_chunks_in_order(v, group, size)
-        outs = []
-        for local, chunk in ((0, rank), (1, 2 * size - 1 - rank)):
-            end = (chunk + 1) * half
-            outs.append(self._sdpa(q[:, :, local * half:(local + 1) * half],
-                                   keys[:, :, :end], values[:, :, :end], (half, end)))
-        return torch.cat(outs, dim=2)
-
-
-def _gather_chunks_in_order(x, group, size):
-    """[b, heads, s_local, dim] of every CP rank -> [b, heads, s, dim] in global order
-    (rank r holds chunks r and 2*CP-1-r)."""
-    parts = _GatherSequence.apply(x.transpose(0, 2), group)  # [cp, s_local, heads, b, dim]
-    half = x.shape[2] // 2
-    chunks = [None] * (2 * size)
-    for r in range(size):
-        chunks[r] = parts[r, :half]
-        chunks[2 * size - 1 - r] = parts[r, half:]
-    return torch.cat(chunks).transpose(0, 2)
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not support attention bias")
+        dropout = self.dropout if self.training else 0.0
+        psp = packed_seq_params
+        if psp is not None and psp.qkv_format == "thd":
+            cu = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
+            if self.cp_size > 1:
+                out = torch_attention.context_parallel_documents(
+                    query, key, value, cu, ps.get_context_parallel_group(), self.softmax_scale, dropout)
+            else:
+                out = torch_attention.documents(query, key, value, cu, self.softmax_scale, dropout)
+            return out.reshape(out.shape[0], -1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
+        group = psp.cp_group if psp is not None else (ps.get_context_parallel_group() if self.cp_size > 1 else None)
+        if group is not None and group.size() > 1:
+            out = torch_attention.context_parallel(q, k, v, group, self.softmax_scale, dropout)
+        else:
+            out = torch_attention.causal_sdpa(q, k, v, self.softmax_scale, dropout)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 class TorchRMSNorm(torch.nn.Module):

@@ -1,0 +1,198 @@
+"""Dynamic context parallelism (`parallel.cp_mode=dynamic`): Megatron-Core's hybrid DP×CP
+(ByteScale's hybrid data parallelism, arXiv 2502.21231) driven by gridwright's loop.
+
+Each step, every document of the global batch gets the CP size its length needs
+(`BalancedCPScheduler.gpus_needed`: the next power of two of length / max_seqlen_per_rank),
+and Megatron-Core's balanced scheduler deals the documents out to the DP ranks in groups,
+so that every rank has about the same attention work (length² / CP size) before the next
+barrier. A document with CP size k runs on one of Megatron-Core's hybrid groups of k ranks
+(`initialize_model_parallel(hybrid_context_parallel=True)`), gathering its keys and values
+within that group (`torch_attention.context_parallel`).
+
+What gridwright does differently from Megatron-LM's wrapper (`datasets/data_schedule.py`
+and `pipeline_parallel/hybrid_cp_schedule.py`):
+- the schedule is computed on every rank from the global batch's document lengths, which
+  `data_source` derives from the step alone, so no lengths are all-gathered and no sample
+  is rerouted by all-to-all: each rank reads the documents it was dealt;
+- the loop is gridwright's: Megatron-Core 0.16.1's `hybrid_context_parallel_forward_backward`
+  calls `forward_step` without its `cp_group_size` argument (it receives
+  `collect_non_loss_data` instead: hybrid_cp_schedule.py, `forward_step(... config,
+  collect_non_loss_data, is_first_microbatch=...)` against schedules.py's signature) and
+  hard-codes CUDA; driving the documents here also times the swap (scheduling and the
+  barriers between groups) and each rank's busy time, which the straggler report needs.
+
+The loss is per token (`calculate_per_token_loss`): each rank sums its tokens' losses, and
+`finalize_model_grads` divides the gradients, reduced over every rank, by the global
+token count, so the update equals one process's on the same documents.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..data.packing import histogram, pack, padded_length
+
+
+@dataclass
+class Schedule:
+    """One global batch dealt out: `work[g][r]` are the document ids rank r runs in group g;
+    `cp_size[i]` is document i's CP size."""
+
+    work: list[list[list[int]]]
+    cp_size: dict[int, int]
+    seconds: float  # time the scheduler took
+    estimated_load: list[float] = field(default_factory=list)  # per rank: sum of length² / CP size
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the scheduler's estimated per-rank work (1.0 is perfect balance)."""
+        mean = sum(self.estimated_load) / len(self.estimated_load)
+        return max(self.estimated_load) / mean if mean else 1.0
+
+
+def make_scheduler(max_seqlen_per_rank: int, ranks: int):
+    """Megatron-Core's BalancedCPScheduler for `ranks` DP ranks (it only asks the group for
+    its size, so a simulation passes a number)."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    class _Size:
+        def size(self):
+            return ranks
+
+    return BalancedCPScheduler(max_seqlen_per_rank, _Size())
+
+
+def schedule(scheduler, lengths: list[int]) -> Schedule:
+    """Deal documents of `lengths` (by id = position) to the scheduler's ranks."""
+    started = time.perf_counter()
+    _groups, work = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
+    seconds = time.perf_counter() - started
+    ranks = scheduler.total_hdp_gpus
+    cp_size: dict[int, int] = {}
+    for group in work:
+        for rank_ids in group:
+            for i in rank_ids:
+                cp_size[i] = cp_size.get(i, 0) + 1
+    for group in work:  # a document runs in one group only
+        holders = {}
+        for r, rank_ids in enumerate(group):
+            for i in rank_ids:
+                holders.setdefault(i, []).append(r)
+        for i, rs in holders.items():
+            if len(rs) != cp_size[i]:
+                raise RuntimeError(f"document {i} is scheduled in more than one group")
+    load = [0.0] * ranks
+    for group in work:
+        for r, rank_ids in enumerate(group):
+            load[r] += sum(lengths[i] ** 2 / cp_size[i] for i in rank_ids)
+    return Schedule(work, cp_size, seconds, load)
+
+
+def aligned(work: list[list[list[int]]], cp_size: dict[int, int]) -> bool:
+    """Whether every document of size k runs on ranks [j·k, (j+1)·k): the hybrid groups
+    Megatron-Core builds (parallel_state.create_hybrid_dp_cp_groups), the only ones a
+    document can use."""
+    for group in work:
+        holders: dict[int, list[int]] = {}
+        for r, rank_ids in enumerate(group):
+            for i in rank_ids:
+                holders.setdefault(i, []).append(r)
+        for i, rs in holders.items():
+            k = cp_size[i]
+            if rs != list(range(rs[0], rs[0] + k)) or rs[0] % k:
+                return False
+    return True
+
+
+class DynamicContextParallel:
+    """One rank's driver: schedule the global batch, then run the documents this rank was
+    dealt, group by group, forward and backward, with a barrier between groups."""
+
+    def __init__(self, source, max_seqlen_per_rank: int, device):
+        from megatron.core import parallel_state as ps
+
+        self.source, self.device = source, device
+        self.group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.rank, self.ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.scheduler = make_scheduler(max_seqlen_per_rank, self.ranks)
+
+    def _cp_group(self, k: int):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_hybrid_data_context_parallel_groups(group_size=k) if k > 1 else None
+
+    def run(self, model, config, split: str, index: int, forward_only: bool) -> dict:
+        """Forward (and backward) over global batch `index`; returns the loss sum and
+        token count of this rank's tokens, and the step's schedule facts."""
+        from megatron.core.utils import get_batch_on_this_cp_rank
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        docs = self.source.global_documents(split, index)
+        plan = schedule(self.scheduler, [len(d) for d in docs])
+        if not aligned(plan.work, plan.cp_size):
+            raise RuntimeError("Megatron-Core's scheduler placed a document on ranks that form no hybrid "
+                               "CP group (see dynamic_cp.aligned)")
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int, device=self.device)
+        busy = barrier = 0.0
+        for g, group in enumerate(plan.work):
+            started = time.perf_counter()
+            for i in group[self.rank]:
+                k = plan.cp_size[i]
+                cp_group = self._cp_group(k)
+                batch = pack([docs[i]], 2 * k if k > 1 else 1, self.device)
+                length = int(batch["cu_seqlens"][-1])
+                batch = {key: batch[key] for key in ("tokens", "labels", "loss_mask", "position_ids")}
+                if k > 1:
+                    batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+                bounds = torch.tensor([0, length], dtype=torch.int32, device=self.device)
+                params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                         max_seqlen_q=length, max_seqlen_kv=length, local_cp_size=k,
+                                         cp_group=cp_group)
+                losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                               packed_seq_params=params)
+                mask = batch["loss_mask"]
+                doc_sum = torch.sum(losses.float().view(-1) * mask.view(-1))
+                if not forward_only:
+                    scaled = config.grad_scale_func(doc_sum) if config.grad_scale_func else doc_sum
+                    scaled.backward()
+                loss_sum += doc_sum.detach()
+                tokens += mask.sum().to(torch.int)
+            busy += _elapsed(started, self.device)  # this rank's work in the group, before it waits
+            if g < len(plan.work) - 1:  # every rank ready before CP groups change
+                started = time.perf_counter()
+                dist.barrier(group=self.group)
+                barrier += time.perf_counter() - started
+        return {"loss_sum": loss_sum, "tokens": tokens, "plan": plan, "busy_s": busy, "barrier_s": barrier}
+
+    def step_facts(self, result: dict) -> dict:
+        """The step's dynamic-CP record (every rank calls it: one all-gather of busy times)."""
+        plan = result["plan"]
+        busy = torch.tensor([result["busy_s"]], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(busy) for _ in range(self.ranks)]
+        dist.all_gather(every, busy, group=self.group)
+        busy_s = [float(b) for b in every]
+        mean = sum(busy_s) / len(busy_s)
+        sizes = histogram(plan.cp_size.values())
+        return {
+            "cp_groups": float(len(plan.work)),
+            "cp_schedule_ms": plan.seconds * 1e3,
+            "cp_barrier_ms": result["barrier_s"] * 1e3,
+            "cp_imbalance_estimated": plan.imbalance,
+            "cp_straggler": max(busy_s) / mean if mean else 1.0,
+            **{f"cp_size_{k}_documents": float(n) for k, n in sizes.items()},
+        }
+
+
+def _elapsed(started: float, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def padded_tokens(lengths: list[int], cp_size: dict[int, int]) -> int:
+    """Tokens after each document is padded to a multiple of 2·its CP size."""
+    return sum(padded_length(n, 2 * cp_size[i]) if cp_size[i] > 1 else n for i, n in enumerate(lengths))

@@ -76,6 +76,9 @@ GROUP_OF_DESCRIPTION = {
     "MODEL_PARALLEL_GROUP": "mp",
     "default_pg": "world",
 }
+# Dynamic context parallelism's groups of k ranks (Megatron-Core's hybrid groups, and
+# gridwright's own for k = every DP rank, dynamic_cp): reported as "cp<k>".
+HYBRID_CP_PREFIX = "HYBRID_DP_CP_GROUP_"
 # The placement kind whose members a description's "Process Group Ranks" must equal.
 PLACEMENT_KIND_OF_DESCRIPTION = {
     "TENSOR_MODEL_PARALLEL_GROUP": "tp",
@@ -227,6 +230,9 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
                     # Megatron-Core they come from the pipeline schedule.
                     group = "pp" if layout_pp > 1 else "unattributed"
                     desc = "p2p"
+                elif desc.startswith(HYBRID_CP_PREFIX):  # dynamic CP: "cp2", "cp4", ... by group size
+                    group = "cp" + desc[len(HYBRID_CP_PREFIX):]
+                    megatron_named = True
                 elif desc in GROUP_OF_DESCRIPTION:
                     group = GROUP_OF_DESCRIPTION[desc]
                     megatron_named |= desc != "default_pg"

@@ -328,6 +328,57 @@ def check_context_parallel(train, layout: ParallelLayout, model) -> list[str]:
     return []
 
 
+def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[str]:
+    """Packed documents (data.packing) and dynamic context parallelism (parallel.cp_mode):
+    what gridwright's packed path and Megatron-Core 0.16.1's hybrid groups support."""
+    out, dynamic = [], parallel.cp_mode == "dynamic"
+    if dynamic and not data.packing:
+        out.append("parallel.cp_mode=dynamic deals whole documents to the DP ranks: it needs packed data. "
+                   "Fix: data.packing=true.")
+    if not data.packing:
+        if parallel.max_seqlen_per_rank is not None:
+            out.append(f"parallel.max_seqlen_per_rank={parallel.max_seqlen_per_rank} is read only by "
+                       "parallel.cp_mode=dynamic. Fix: parallel.max_seqlen_per_rank=null.")
+        return out
+    lengths = data.doc_lengths
+    if lengths.min < 1 or lengths.median < 1 or lengths.sigma < 0 or (lengths.cap is not None and lengths.cap < lengths.min):
+        out.append(f"data.doc_lengths (median {lengths.median}, sigma {lengths.sigma}, min {lengths.min}, cap "
+                   f"{lengths.cap}) must have median >= 1, sigma >= 0 and 1 <= min <= cap.")
+    if layout.pp > 1:
+        out.append(f"data.packing with parallel.pp={layout.pp}: the pipeline schedule sends activations of one "
+                   "fixed shape between stages, and packed micro-batches vary in length (not built). "
+                   "Fix: parallel.pp=1 parallel.vpp=null.")
+    if model.num_experts:
+        out.append(f"data.packing with model={model.name} (MoE): packed documents are built for dense models only. "
+                   "Fix: data.packing=false.")
+    if parallel.max_seqlen_per_rank is not None and not dynamic:
+        out.append(f"parallel.max_seqlen_per_rank={parallel.max_seqlen_per_rank} is read only by "
+                   "parallel.cp_mode=dynamic. Fix: parallel.cp_mode=dynamic.")
+    if not dynamic:
+        return out
+    if layout.cp > 1:
+        out.append(f"parallel.cp_mode=dynamic with parallel.cp={layout.cp}: dynamic context parallelism draws each "
+                   "document's CP group from the DP ranks, which a static CP would split. "
+                   f"Fix: parallel.cp=1 (DP becomes {layout.dp * layout.cp}).")
+    if layout.tp > 1:
+        out.append(f"parallel.cp_mode=dynamic with parallel.tp={layout.tp}: not built (each TP rank would have to "
+                   "see the same documents in the same order; untested). Fix: parallel.tp=1.")
+    ranks = layout.dp * layout.cp
+    if ranks & (ranks - 1):
+        out.append(f"parallel.cp_mode=dynamic needs a power-of-two number of DP ranks (Megatron-Core builds its "
+                   f"hybrid CP groups of 2, 4, 8 ... ranks: parallel_state.create_hybrid_dp_cp_groups); DP is "
+                   f"{ranks}. Fix: parallel.cp_mode=static, or a world size whose DP is a power of two.")
+    longest = min(lengths.cap or train.seq_length, train.seq_length)
+    per_rank = parallel.max_seqlen_per_rank or max(1, train.seq_length // max(1, ranks))
+    if per_rank < 1:
+        out.append(f"parallel.max_seqlen_per_rank={per_rank} must be at least 1. Fix: parallel.max_seqlen_per_rank=null.")
+    elif longest > per_rank * ranks:
+        out.append(f"A document of up to {longest} tokens (data.doc_lengths.cap, or train.seq_length) does not fit "
+                   f"parallel.max_seqlen_per_rank={per_rank} x {ranks} DP ranks = {per_rank * ranks}: no CP group "
+                   f"could hold it. Fix: parallel.max_seqlen_per_rank={-(-longest // ranks)}.")
+    return out
+
+
 def check_batch(train, layout: ParallelLayout) -> list[str]:
     unit = train.micro_batch_size * layout.dp
     if train.global_batch_size % unit:
@@ -909,6 +960,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
         problems += check_model_split(cfg.model, cfg.train, layout)
         problems += check_context_parallel(cfg.train, layout, cfg.model)
         problems += check_batch(cfg.train, layout)
+        problems += check_packing(cfg.data, cfg.parallel, cfg.train, cfg.model, layout)
         problems += check_engine(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)

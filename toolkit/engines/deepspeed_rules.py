@@ -73,6 +73,9 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
     if not megatron_model and m.rope_scaling_factor is not None:
         out.append("engine=deepspeed builds a plain Hugging Face model without rope scaling; Llama-3 rope "
                    "scaling needs engine=megatron.")
+    if cfg.data.packing:
+        out.append("data.packing with engine=deepspeed: packed documents (attention inside each document) are "
+                   "built for Megatron-Core's GPTModel only. Fix: engine=megatron.")
     if for_launch and cfg.launcher.name == "local":
         out += _machine_problems(cfg.cluster, cfg.precision)
     return out

@@ -114,22 +114,26 @@ class DynamicContextParallel:
     def __init__(self, source, max_seqlen_per_rank: int, device):
         from megatron.core import parallel_state as ps
 
-        self.source, self.device = source, device
+        self.source, self.device, self.max_seqlen = source, device, max_seqlen_per_rank
         self.group = ps.get_data_parallel_group(with_context_parallel=True)
         self.rank, self.ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.scheduler = make_scheduler(max_seqlen_per_rank, self.ranks)
+        # For k = every rank Megatron-Core hands out the DP group itself; a group of the
+        # same members but its own communicator keeps a document's attention apart from the
+        # gradient reduction, in the traces too (trace_analysis: "cp<k>").
+        self.whole = dist.new_group(dist.get_process_group_ranks(self.group),
+                                    group_desc=f"HYBRID_DP_CP_GROUP_{self.ranks}") if self.ranks > 1 else None
 
     def _cp_group(self, k: int):
         from megatron.core import parallel_state as ps
 
-        return ps.get_hybrid_data_context_parallel_groups(group_size=k) if k > 1 else None
+        if k == 1:
+            return None
+        return self.whole if k == self.ranks else ps.get_hybrid_data_context_parallel_groups(group_size=k)
 
     def run(self, model, config, split: str, index: int, forward_only: bool) -> dict:
         """Forward (and backward) over global batch `index`; returns the loss sum and
         token count of this rank's tokens, and the step's schedule facts."""
-        from megatron.core.utils import get_batch_on_this_cp_rank
-        from megatron.core.packed_seq_params import PackedSeqParams
-
         docs = self.source.global_documents(split, index)
         plan = schedule(self.scheduler, [len(d) for d in docs])
         if not aligned(plan.work, plan.cp_size):
@@ -140,33 +144,46 @@ class DynamicContextParallel:
         busy = barrier = 0.0
         for g, group in enumerate(plan.work):
             started = time.perf_counter()
-            for i in group[self.rank]:
-                k = plan.cp_size[i]
-                cp_group = self._cp_group(k)
-                batch = pack([docs[i]], 2 * k if k > 1 else 1, self.device)
-                length = int(batch["cu_seqlens"][-1])
-                batch = {key: batch[key] for key in ("tokens", "labels", "loss_mask", "position_ids")}
-                if k > 1:
-                    batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
-                bounds = torch.tensor([0, length], dtype=torch.int32, device=self.device)
-                params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                                         max_seqlen_q=length, max_seqlen_kv=length, local_cp_size=k,
-                                         cp_group=cp_group)
-                losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                               packed_seq_params=params)
-                mask = batch["loss_mask"]
-                doc_sum = torch.sum(losses.float().view(-1) * mask.view(-1))
-                if not forward_only:
-                    scaled = config.grad_scale_func(doc_sum) if config.grad_scale_func else doc_sum
-                    scaled.backward()
-                loss_sum += doc_sum.detach()
-                tokens += mask.sum().to(torch.int)
+            mine = group[self.rank]
+            # Documents shared with other ranks first, in the schedule's order (their
+            # collectives must meet); this rank's own (CP size 1) then go packed together,
+            # up to max_seqlen_per_rank tokens per forward, instead of one forward each.
+            shared = [[i] for i in mine if plan.cp_size[i] > 1]
+            for ids in shared + _bins([i for i in mine if plan.cp_size[i] == 1], docs, self.max_seqlen):
+                doc_sum, doc_tokens = self._forward_backward(model, config, [docs[i] for i in ids],
+                                                             plan.cp_size[ids[0]], forward_only)
+                loss_sum += doc_sum
+                tokens += doc_tokens
             busy += _elapsed(started, self.device)  # this rank's work in the group, before it waits
             if g < len(plan.work) - 1:  # every rank ready before CP groups change
                 started = time.perf_counter()
                 dist.barrier(group=self.group)
                 barrier += time.perf_counter() - started
         return {"loss_sum": loss_sum, "tokens": tokens, "plan": plan, "busy_s": busy, "barrier_s": barrier}
+
+    def _forward_backward(self, model, config, docs: list, k: int, forward_only: bool):
+        """One forward (and backward) of one document over its CP group of k ranks (sbhd,
+        this rank's 2 of 2·k chunks), or of several CP-1 documents packed (THD)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        cp_group = self._cp_group(k)
+        batch = pack(docs, 2 * k if k > 1 else 1, self.device)
+        cu, longest = batch["cu_seqlens"], batch["max_seqlen"]
+        batch = {key: batch[key] for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        if k > 1:
+            batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+            params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest, local_cp_size=k, cp_group=cp_group)
+        else:
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                     max_seqlen_kv=longest)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
+        mask = batch["loss_mask"]
+        doc_sum = torch.sum(losses.float().view(-1) * mask.view(-1))
+        if not forward_only:
+            (config.grad_scale_func(doc_sum) if config.grad_scale_func else doc_sum).backward()
+        return doc_sum.detach(), mask.sum().to(torch.int)
 
     def step_facts(self, result: dict) -> dict:
         """The step's dynamic-CP record (every rank calls it: one all-gather of busy times)."""
@@ -185,6 +202,20 @@ class DynamicContextParallel:
             "cp_straggler": max(busy_s) / mean if mean else 1.0,
             **{f"cp_size_{k}_documents": float(n) for k, n in sizes.items()},
         }
+
+
+def _bins(ids: list[int], docs: list, capacity: int) -> list[list[int]]:
+    """Consecutive runs of documents of at most `capacity` tokens together (a longer one
+    alone), in order."""
+    out: list[list[int]] = []
+    used = capacity
+    for i in ids:
+        if used + len(docs[i]) > capacity or not out:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += len(docs[i])
+    return out
 
 
 def _elapsed(started: float, device) -> float:

@@ -170,7 +170,7 @@ class MegatronTrainer:
         self.scheduler = lr_scheduler(cfg.train, self.optimizer)
         self.num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
         self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir,
-                                pad_multiple=2 * layout.cp if layout.cp > 1 else 1)
+                                pad_multiple=packing_multiple(layout))
         self.dynamic_cp = None
         if cfg.parallel.cp_mode == "dynamic":
             from .dynamic_cp import DynamicContextParallel
@@ -251,6 +251,8 @@ class MegatronTrainer:
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
+        if self.cfg.data.packing and self.is_logging_rank:  # the step's FLOPs (step_metrics)
+            facts["attention_context"] = attention_context(self.data.global_documents("train", step))
         return {
             **facts,
             "loss": self._mean_loss(losses),
@@ -281,6 +283,19 @@ class MegatronTrainer:
 
     def save(self, step: int, root):
         return megatron_checkpoint.save(self, step, root)
+
+
+def attention_context(docs) -> float:
+    """The mean context a token of these documents attends over: sum of length² / sum of
+    length (a row of one document: its length; of many short ones: far less)."""
+    lengths = [len(d) for d in docs]
+    return sum(n * n for n in lengths) / sum(lengths)
+
+
+def packing_multiple(layout: ParallelLayout) -> int:
+    """What each packed document is padded to a multiple of: 2·CP (static CP cuts it into
+    2·CP chunks), times TP under sequence parallelism (which splits the tokens over TP)."""
+    return (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
 
 
 def max_seqlen_per_rank(parallel, train, layout: ParallelLayout) -> int:

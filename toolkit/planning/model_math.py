@@ -132,10 +132,21 @@ def flops_record(cfg, params: ParamCounts | None = None) -> dict:
     fp8 = cfg.precision.fp8_recipe is not None
     gpu = cfg.cluster.gpu
     definition = cfg.evaluate.flops_definition
-    return {
+    record = {
         "flops_definition": definition,
         "flops_per_token": flops_per_token_all(cfg.model, t.seq_length, pc),
         "hardware_flops_per_token": hardware_flops_per_token(cfg.model, t.seq_length, t.recompute, definition, pc),
         "peak_kind": "fp8" if fp8 else "bf16",
         "peak_tflops": float(gpu.peak_fp8_tflops if fp8 else gpu.peak_bf16_tflops),
     }
+    if cfg.data.packing:
+        # A token of a packed document attends to its own document only: each step's FLOPs
+        # are those of its documents' mean context (sum of length² / sum of length) instead
+        # of seq_length. The record keeps what a context token adds, per definition.
+        shorter = t.seq_length - 1
+        record["flops_per_context_token"] = {
+            d: record["flops_per_token"][d] - model_flops_per_token(cfg.model, shorter, d, pc) for d in DEFINITIONS}
+        record["hardware_flops_per_context_token"] = (
+            record["hardware_flops_per_token"] - hardware_flops_per_token(cfg.model, shorter, t.recompute, definition, pc))
+        record["seq_length"] = t.seq_length
+    return record

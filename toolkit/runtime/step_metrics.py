@@ -70,6 +70,7 @@ class StepMetrics:
 
     def __init__(self, plan: dict, world_size: int, on_cuda: bool):
         self.tokens_per_step = plan["tokens_per_step"]
+        self.plan = plan
         self.world_size = world_size
         self.on_cuda = on_cuda
         self.record = {k: plan[k] for k in FLOPS_KEYS}
@@ -81,16 +82,29 @@ class StepMetrics:
     def memory_gib(self) -> dict[str, float]:
         return memory_peaks_gib(self.on_cuda)
 
+    def _flops(self, raw: dict) -> tuple[float, float, float]:
+        """(model, PaLM, hardware) FLOPs per token of this step: the plan's, or with packed
+        documents those of the step's mean context (`attention_context`)."""
+        context = raw.get("attention_context")
+        per_context = self.plan.get("flops_per_context_token")
+        if context is None or not per_context:
+            return self.model_flops, self.palm_flops, self.hardware_flops
+        fewer = self.plan["seq_length"] - context
+        return (self.model_flops - per_context[self.record["flops_definition"]] * fewer,
+                self.palm_flops - per_context["palm"] * fewer,
+                self.hardware_flops - self.plan["hardware_flops_per_context_token"] * fewer)
+
     def derive(self, raw: dict[str, float]) -> dict[str, float]:
         out = dict(raw)
         tps = self.tokens_per_step / raw["step_time_s"]
         out["tokens_per_s"] = tps
         out["tokens_per_s_per_gpu"] = tps / self.world_size
         per_gpu = out["tokens_per_s_per_gpu"]
-        out["tflops_per_gpu"] = per_gpu * self.model_flops / 1e12
+        model_flops, palm_flops, hardware_flops = self._flops(raw)
+        out["tflops_per_gpu"] = per_gpu * model_flops / 1e12
         if self.peak_flops > 0:  # unknown peak (CPU): no MFU rather than a made-up one
-            out["mfu"] = per_gpu * self.model_flops / self.peak_flops
-            out["mfu_palm"] = per_gpu * self.palm_flops / self.peak_flops
-            out["hfu"] = per_gpu * self.hardware_flops / self.peak_flops
+            out["mfu"] = per_gpu * model_flops / self.peak_flops
+            out["mfu_palm"] = per_gpu * palm_flops / self.peak_flops
+            out["hfu"] = per_gpu * hardware_flops / self.peak_flops
         out.update(self.memory_gib())
         return out

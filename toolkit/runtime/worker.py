@@ -126,6 +126,8 @@ class Reporter:
             if key in self.history[-1]:
                 summary[key] = sum(h[key] for h in steady) / len(steady)
         summary.update(self._memory_peaks())
+        if "cp_straggler" in steady[-1]:
+            summary["dynamic_cp"] = dynamic_cp_summary(steady)
         estimate = read_json(self.job_dir / PLAN_FILE).get("memory_estimate")
         if estimate:  # the allocator's peak holds no CUDA context or NCCL buffers
             summary["memory_estimate_gib"] = estimate["total_gib"]
@@ -136,6 +138,29 @@ class Reporter:
     def fail(self, error: str) -> None:
         """Leave why training failed where the agent, which closes the run, reads it."""
         write_text_atomic(self.job_dir / FAILURE_FILE, json.dumps({"error": error}))
+
+
+def dynamic_cp_summary(steady: list[dict]) -> dict:
+    """Dynamic context parallelism over the averaged steps: documents per CP size (all
+    steps together), and per step the mean groups, estimated and measured imbalance
+    (max / mean per rank: the scheduler's length² / CP work, the ranks' busy time) and the
+    swap's cost (scheduling, and the barriers before CP groups change)."""
+    mean = lambda key: sum(h[key] for h in steady) / len(steady)  # noqa: E731
+    sizes: dict[str, float] = {}
+    for h in steady:
+        for key, n in h.items():
+            if key.startswith("cp_size_") and key.endswith("_documents"):
+                k = key[len("cp_size_"):-len("_documents")]
+                sizes[k] = sizes.get(k, 0) + n
+    return {
+        "documents_by_cp_size": {k: int(v) for k, v in sorted(sizes.items(), key=lambda kv: int(kv[0]))},
+        "groups_per_step": mean("cp_groups"),
+        "imbalance_estimated": mean("cp_imbalance_estimated"),
+        "straggler": mean("cp_straggler"),
+        "schedule_ms": mean("cp_schedule_ms"),
+        "barrier_ms": mean("cp_barrier_ms"),
+        "swap_ms": mean("cp_schedule_ms") + mean("cp_barrier_ms"),
+    }
 
 
 def has_run_before(job_dir: Path) -> bool:
@@ -180,6 +205,13 @@ def summary_lines(summary: dict, cfg) -> list[str]:
                 if summary.get("memory_estimate_allocated_gib") is not None else "")
     lines.append(f"            peak memory {summary['memory_peak_gib']:.2f} GiB {kind}, rank "
                  f"{summary['memory_peak_rank']}{estimate}")
+    d = summary.get("dynamic_cp")
+    if d:
+        sizes = ", ".join(f"CP {k} x {n:,}" for k, n in d["documents_by_cp_size"].items())
+        lines.append(f"            dynamic CP  documents {sizes}; {d['groups_per_step']:.1f} groups/step; imbalance "
+                     f"{d['straggler']:.2f} measured, {d['imbalance_estimated']:.2f} estimated (max/mean per rank); "
+                     f"swap {d['swap_ms']:.1f} ms/step ({d['schedule_ms']:.1f} scheduling, "
+                     f"{d['barrier_ms']:.1f} barriers)")
     return lines
 
 

@@ -28,6 +28,17 @@ STEP_METRICS = (
     ("grad_norm", "grad_norm", 1.0),
     ("step_time_ms", "step_time_s", 1000.0),
     ("step_tok_s_gpu", "tokens_per_s_per_gpu", 1.0),
+    # dynamic context parallelism only (dynamic_cp): slowest rank's busy time over the mean,
+    # and the swap's cost (scheduling, the barriers between CP-group changes)
+    ("cp_straggler", "cp_straggler", 1.0),
+    ("cp_schedule_ms", "cp_schedule_ms", 1.0),
+    ("cp_barrier_ms", "cp_barrier_ms", 1.0),
+)
+# Per run with dynamic context parallelism (summary.json's `dynamic_cp`): (metric, key).
+DYNAMIC_CP_METRICS = (
+    ("cp_straggler", "straggler"),
+    ("cp_imbalance_estimated", "imbalance_estimated"),
+    ("cp_swap_ms", "swap_ms"),
 )
 
 
@@ -79,6 +90,8 @@ def run_metrics(summary: dict, plan: dict) -> dict[str, float]:
         "final_loss": _num(summary.get("last_loss")),
     }
     values.update({EXPOSED_GROUP.format(group=g): ms for g, ms in exposed_by_group(summary).items()})
+    dynamic = summary.get("dynamic_cp") if isinstance(summary.get("dynamic_cp"), dict) else {}
+    values.update({name: _num(dynamic.get(key)) for name, key in DYNAMIC_CP_METRICS})
     return {k: readable(k, v) for k, v in values.items() if v is not None}
 
 
@@ -86,7 +99,7 @@ def readable(name: str, value: float) -> float:
     """The value rounded to what a table cell shows and a comparison needs (MLflow prints
     every digit it holds: 29.48949... in a column 8 characters wide); summary.json keeps
     the exact one."""
-    places = 4 if name == "final_loss" else 3 if name.endswith("_gib") else 1 if name == "tok_s_gpu" else 2
+    places = 4 if name == "final_loss" or name.startswith("cp_i") or name == "cp_straggler" else 3 if name.endswith("_gib") else 1 if name == "tok_s_gpu" else 2
     return round(value, places)
 
 

@@ -132,8 +132,24 @@ ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_ds_zero1_tp2_sp_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]
                                                    + DS_BUCKETS),
 }.items()}
-SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED},
-          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED}}
+# Variable-length documents on 4 GPUs: rows of 32k tokens packed with whole documents of a
+# long-tailed length mix (lognormal, median 1k, sigma 1.5, capped at the row: about 85
+# documents a step, a few of 16k-32k), uncompiled (shapes change every micro-batch).
+# Static CP=4, CP=2 x DP=2 and DP=4 against dynamic CP, whose longest documents are split
+# over 2 or 4 ranks (at most 8k tokens per rank, as under CP=4), and dynamic CP with 32k
+# per rank (every document on one rank: the balanced schedule alone).
+VARLEN_BASE = ["+experiment=bench_gpu", "cluster=h100_x4", "data.packing=true", "train.seq_length=32768",
+               "model.max_position_embeddings=32768", "train.micro_batch_size=1", "train.global_batch_size=8",
+               "data.doc_lengths.median=1024", "data.doc_lengths.sigma=1.5", "train.steps=14"]
+VARLEN = {name: (4, overrides + TRACED) for name, overrides in {
+    "varlen_cp4": VARLEN_BASE + ["parallel.cp=4"],
+    "varlen_cp2_dp2": VARLEN_BASE + ["parallel.cp=2"],
+    "varlen_dp4": VARLEN_BASE,
+    "varlen_dynamic": VARLEN_BASE + ["parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=8192"],
+    "varlen_dynamic_32k": VARLEN_BASE + ["parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=32768"],
+}.items()}
+SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
+          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN}}
 
 
 def device_overrides() -> list[str]:
@@ -203,6 +219,8 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             last_loss=s["last_loss"],
             memory_max_allocated_gib=last.get("memory_max_allocated_gib"),
             layer_spec=s.get("layer_spec"),
+            compute_imbalance=comm.get("compute_imbalance"),
+            dynamic_cp=s.get("dynamic_cp"),
             placement_verified=s.get("placement_verified"),
             layout=(job_dir / "config.yaml").exists() and _layout(job_dir),
         )
@@ -259,6 +277,20 @@ def table(rows: list[dict], card: str) -> str:
             f"{f(r.get('gpu_activities'), ',.0f')} | {f(r['memory_max_allocated_gib'], '.1f')} | "
             f"{r['first_loss']:.2f}→{r['last_loss']:.2f} ({f(r.get('loss_last10_mean'), '.3f')}) |"
         )
+    balanced = [r for r in rows if not r["exit_code"] and (r.get("dynamic_cp") or r.get("compute_imbalance"))]
+    if balanced:
+        lines += ["", "Per-rank work imbalance: the busiest rank's GPU compute over the mean rank's in the traced "
+                  "steps (every row); for dynamic CP also each rank's measured busy time and the scheduler's "
+                  "estimate (length² / CP size), both max/mean. Swap: scheduling plus the barriers before CP "
+                  "groups change, ms per step.", "",
+                  "| case | imbalance (traced compute) | dynamic: busy | dynamic: estimated | documents by CP size "
+                  "| groups/step | swap ms |", "| --- " * 7 + "|"]
+        for r in balanced:
+            d = r.get("dynamic_cp") or {}
+            sizes = ", ".join(f"CP{k}: {n}" for k, n in (d.get("documents_by_cp_size") or {}).items())
+            lines.append(f"| {r['case']} | {f(r.get('compute_imbalance'), '.2f')} | {f(d.get('straggler'), '.2f')} | "
+                         f"{f(d.get('imbalance_estimated'), '.2f')} | {sizes} | {f(d.get('groups_per_step'), '.1f')} | "
+                         f"{f(d.get('swap_ms'), '.1f')} |")
     return "\n".join(lines)
 
 

@@ -439,6 +439,7 @@ def analyze(job_dir: Path) -> dict:
         "skew_split": bool(waits),
         "mean": _mean(all_records),
         "stragglers": _stragglers(per_rank),
+        "compute_imbalance": _compute_imbalance(per_rank),
         "group_check": mismatches or "every attributed communicator's ranks equal the planned group",
         "unknown_groups": sorted(set().union(*(rt.unknown_groups for rt in traces.values()))),
         "ranks": {str(r): {str(s): rec for s, rec in steps.items()} for r, steps in per_rank.items()},
@@ -487,6 +488,18 @@ def _stragglers(per_rank: dict[int, dict[int, dict]]) -> list[dict]:
     return out
 
 
+def _compute_imbalance(per_rank: dict[int, dict[int, dict]]) -> float | None:
+    """Per-rank work imbalance: the busiest rank's GPU compute over the mean rank's, per
+    traced step, averaged (1.0: every rank computes as long; the others wait the rest)."""
+    ratios = []
+    for s in sorted({s for steps in per_rank.values() for s in steps}):
+        busy = [steps[s]["compute_s"] for steps in per_rank.values() if s in steps]
+        mean = sum(busy) / len(busy)
+        if len(busy) > 1 and mean > 0:
+            ratios.append(max(busy) / mean)
+    return sum(ratios) / len(ratios) if ratios else None
+
+
 def summary_of(doc: dict) -> dict:
     """The few numbers a run's summary and the sweep table carry."""
     if not doc.get("available"):
@@ -498,6 +511,7 @@ def summary_of(doc: dict) -> dict:
     out["by_group"] = {g: {k: v for k, v in rec.items() if k in ("comm_s", "exposed_s", "wait_s", "bytes")}
                        for g, rec in m.get("by_group", {}).items()}
     out["max_closure_error"] = doc.get("max_closure_error")
+    out["compute_imbalance"] = doc.get("compute_imbalance")
     return out
 
 

@@ -97,10 +97,12 @@ def _varlen_kernel():
     except ImportError:
         return None, None
     params = inspect.signature(varlen_attn).parameters
+    # torch 2.11 has no enable_gqa: key/value heads are then repeated for it (`documents`).
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
     if "window_size" in params:
-        return varlen_attn, {"window_size": (-1, 0)}
+        return varlen_attn, {"window_size": (-1, 0), **gqa}
     if "is_causal" in params:
-        return varlen_attn, {"is_causal": True}
+        return varlen_attn, {"is_causal": True, **gqa}
     return None, None
 
 
@@ -113,8 +115,9 @@ def documents(q, k, v, cu_seqlens, scale=None, dropout=0.0):
     if kernel is not None and q.is_cuda and dropout == 0.0 and q.dtype in (torch.bfloat16, torch.float16):
         cu = cu_seqlens.to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
-        return kernel(q, k, v, cu, cu, longest, longest, scale=scale,
-                      enable_gqa=k.shape[1] != q.shape[1], **causal)
+        if k.shape[1] != q.shape[1] and "enable_gqa" not in causal:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return kernel(q, k, v, cu, cu, longest, longest, scale=scale, **causal)
     bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):

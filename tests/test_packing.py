@@ -1,0 +1,181 @@
+"""Packed variable-length documents: the data, the attention that stays inside a document,
+and Megatron-Core's balanced scheduler as dynamic context parallelism uses it."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from conftest import REPO
+from gridwright.data import packing
+from gridwright.data.packing import Document, document_lengths, pack, split_at_eod, synthetic_row
+
+LENGTHS = OmegaConf.create({"distribution": "lognormal", "median": 40, "sigma": 1.0, "min": 4, "cap": None})
+
+
+def test_rows_are_whole_documents_drawn_from_the_step_alone():
+    rows = [synthetic_row(i, 256, 256, 1234, LENGTHS) for i in range(50)]
+    assert all(sum(len(d) for d in row) == 256 for row in rows)
+    lengths = [len(d) for row in rows for d in row]
+    assert min(lengths) >= 1 and max(lengths) <= 256 and len(set(lengths)) > 20  # a spread, not one length
+    again = synthetic_row(17, 256, 256, 1234, LENGTHS)
+    assert [d.tokens.tolist() for d in again] == [d.tokens.tolist() for d in rows[17]]
+    assert [d.tokens.tolist() for d in synthetic_row(17, 256, 256, 99, LENGTHS)] != [d.tokens.tolist() for d in again]
+    # each document is its own arithmetic sequence: a label is the next token of its document
+    doc = rows[0][0]
+    assert doc.labels[:-1].tolist() == doc.tokens[1:].tolist()
+
+
+def test_lengths_respect_min_and_cap():
+    capped = OmegaConf.merge(LENGTHS, {"median": 5000, "cap": 100, "min": 30})
+    lengths = document_lengths(np.random.default_rng(0), capped, 1000)
+    assert sum(lengths) == 1000 and max(lengths) == 100  # the last one may be cut shorter than min
+
+
+def test_pack_pads_each_document_and_restarts_positions():
+    docs = [Document(np.arange(5), np.arange(1, 6), np.ones(5, dtype=np.float32)),
+            Document(np.arange(3), np.arange(1, 4), np.ones(3, dtype=np.float32))]
+    batch = pack(docs, multiple=4)
+    assert batch["cu_seqlens"].tolist() == [0, 8, 12]
+    assert batch["max_seqlen"] == 8
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    assert batch["loss_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0]]
+    assert batch["tokens"].tolist() == [[0, 1, 2, 3, 4, 0, 0, 0, 0, 1, 2, 0]]
+
+
+def test_indexed_samples_are_cut_after_each_eod_and_never_predict_across_it():
+    eod = 0
+    tokens = np.array([5, 6, eod, 7, 8, 9, eod, 4])
+    labels = np.array([6, eod, 7, 8, 9, eod, 4, 3])
+    docs = split_at_eod(tokens, labels, np.ones(8, dtype=np.float32), eod)
+    assert [d.tokens.tolist() for d in docs] == [[5, 6, eod], [7, 8, 9, eod], [4]]
+    # the EOD position's label is the next document's first token: masked
+    assert [d.loss_mask.tolist() for d in docs] == [[1, 1, 0], [1, 1, 1, 0], [1]]
+
+
+def _dense_reference(q, k, v, cu):
+    """Causal attention with an explicit block-diagonal mask over the whole row."""
+    t = q.shape[0]
+    doc = torch.zeros(t, dtype=torch.long)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        doc[s:e] = i
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=allowed)
+    return out.transpose(0, 1)
+
+
+def test_document_attention_equals_a_block_diagonal_mask():
+    from gridwright.engines.torch_attention import documents
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 7, 8, 30, 64], dtype=torch.int32)
+    q, k, v = torch.randn(64, 4, 16), torch.randn(64, 2, 16), torch.randn(64, 2, 16)
+    assert torch.allclose(documents(q, k, v, cu), _dense_reference(q, k, v, cu), atol=1e-6)
+    # and it is not plain causal attention over the row
+    plain = _dense_reference(q, k, v, torch.tensor([0, 64], dtype=torch.int32))
+    assert not torch.allclose(documents(q, k, v, cu), plain, atol=1e-3)
+
+
+def test_a_planted_document_never_reaches_the_next_one():
+    """B's per-token losses on the real GPTModel are the same whatever document A holds, and
+    differ when the row runs as one sequence (so the check could fail)."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "packed_forward.py"), "1:1", "2:1", "2:0"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": "29531"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_a, with_other_a, leaking = (json.loads(line) for line in proc.stdout.strip().splitlines()[-3:])
+    start = with_a["b_start"]
+    assert with_a["losses"][:start] != with_other_a["losses"][:start]  # A itself changed
+    assert with_a["losses"][start:] == with_other_a["losses"][start:]  # B did not see it, to the last bit
+    assert max(abs(x - y) for x, y in zip(with_a["losses"][start:], leaking["losses"][start:])) > 1e-3
+
+
+def test_scheduler_deals_every_document_once_to_aligned_groups():
+    from gridwright.engines.dynamic_cp import aligned, make_scheduler, schedule
+
+    rng = np.random.default_rng(3)
+    lengths = [int(x) for x in np.clip(rng.lognormal(np.log(1024), 1.5, 200), 16, 32768)]
+    plan = schedule(make_scheduler(8192, 8), lengths)
+    dealt = {i for group in plan.work for rank in group for i in rank}
+    assert dealt == set(range(len(lengths)))
+    assert aligned(plan.work, plan.cp_size)
+    assert {plan.cp_size[i] for i, n in enumerate(lengths) if n > 16384} <= {4, 8}
+    assert all(plan.cp_size[i] >= 2 for i, n in enumerate(lengths) if n > 8192)
+    assert 1.0 <= plan.imbalance < 1.5
+
+
+# Packed training at every layout against one process, per step (losses and gradient norms).
+LAYOUTS = {
+    "dp2": ["parallel.cp=1"],
+    "cp2": ["parallel.cp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "dynamic_dp4": ["cluster.gpus_per_node=4", "parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=64"],
+}
+PACKED = ["data.packing=true", "train.seq_length=256", "train.global_batch_size=4", "train.micro_batch_size=1",
+          "train.steps=4", "train.warmup_steps=1", "data.doc_lengths.median=40", "data.doc_lengths.min=4"]
+
+
+def _history(job: Path) -> list[dict]:
+    return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    from conftest import launch
+
+    tmp = tmp_path_factory.mktemp("one")
+    result = launch(["tracking=off", f"job_dir={tmp / 'job'}", "cluster.gpus_per_node=1", *PACKED], cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _history(tmp / "job")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_packed_training_matches_one_process(run_launch, tmp_path, one_process, name):
+    result = run_launch("tracking=off", f"job_dir={tmp_path / 'job'}", *PACKED, *LAYOUTS[name])
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = _history(tmp_path / "job")
+    assert len(history) == len(one_process) == 4
+    for ours, ref in zip(history, one_process):
+        for key in ("loss", "grad_norm"):
+            assert abs(ours[key] - ref[key]) <= 1e-4 * abs(ref[key]), (name, ours["step"], key, ours[key], ref[key])
+    assert history[-1]["loss"] < history[0]["loss"] - 0.1
+    if name.startswith("dynamic"):
+        summary = json.loads((tmp_path / "job" / "summary.json").read_text())["dynamic_cp"]
+        assert set(summary["documents_by_cp_size"]) == {"1", "2", "4"}  # every group size was used
+        assert summary["straggler"] >= 1.0 and summary["swap_ms"] > 0
+        assert "dynamic CP  documents CP 1 x" in result.stdout
+
+
+@pytest.mark.slow
+def test_packed_indexed_data_trains(run_launch, tmp_path):
+    from gridwright.data.prepare_data import main as prepare
+
+    corpus = tmp_path / "corpus.jsonl"
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(3, 60))))}) + "\n"
+                              for _ in range(300)))
+    prefix = tmp_path / "data" / "corpus"
+    prepare(["--input", str(corpus), "--output-prefix", str(prefix)])
+    result = run_launch("tracking=off", f"job_dir={tmp_path / 'job'}", "data.kind=indexed", f"data.paths=[{prefix}]",
+                        "data.packing=true", "parallel.cp=2", "model.vocab_size=258", "train.seq_length=128", "train.steps=3",
+                        "train.warmup_steps=1", "data.split=90/10/0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = _history(tmp_path / "job")
+    assert len(history) == 3 and all(np.isfinite(h["loss"]) for h in history)
+    # rows of several documents: each step's mean context is shorter than the row
+    assert all(h["attention_context"] < 128 for h in history)
+
+
+def test_packing_module_imports_no_torch():
+    proc = subprocess.run([sys.executable, "-c", "import sys, gridwright.data.packing as p; "
+                           "print('torch' in sys.modules)"], capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr
+    assert packing.padded_length(5, 4) == 8

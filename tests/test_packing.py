@@ -2,6 +2,7 @@
 and Megatron-Core's balanced scheduler as dynamic context parallelism uses it."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,17 @@ def test_packing_module_imports_no_torch():
                            "print('torch' in sys.modules)"], capture_output=True, text=True)
     assert proc.stdout.strip() == "False", proc.stderr
     assert packing.padded_length(5, 4) == 8
+
+
+def test_plan_prints_the_documents_and_the_schedule(run_launch):
+    result = run_launch("data.packing=true", "parallel.cp_mode=dynamic", "cluster.gpus_per_node=4",
+                        "train.seq_length=256", "parallel.max_seqlen_per_rank=64", "data.doc_lengths.median=40",
+                        "launcher=plan")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "documents   steps 0-19:" in out
+    assert "CP groups (DP ranks) of 2: [0, 1] [2, 3]; of 4: [0, 1, 2, 3]" in out
+    line = next(x for x in out.splitlines() if "(documents, first 20 steps)" in x)
+    counts = {int(k): int(n.replace(",", "")) for k, n in re.findall(r"CP (\d+) x ([\d,]+)", line)}
+    assert set(counts) == {1, 2, 4} and counts[1] > counts[2] > 0
+    assert "Megatron-FSDP" not in out + result.stderr

@@ -124,6 +124,10 @@ def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
 
     name = cfg.launcher.name
     if name == "plan":
+        if cfg.data.packing:
+            from gridwright.engines.dynamic_cp import preview_lines
+
+            print("\n".join(preview_lines(cfg, plan.layout, job_dir)), flush=True)
         print("launcher=plan: nothing started.")
         return Outcome("planned", job_dir=job_dir)
     if name == "torchrun":

@@ -347,7 +347,7 @@ def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[
     if layout.pp > 1:
         out.append(f"data.packing with parallel.pp={layout.pp}: the pipeline schedule sends activations of one "
                    "fixed shape between stages, and packed micro-batches vary in length (not built). "
-                   "Fix: parallel.pp=1 parallel.vpp=null.")
+                   f"Fix: parallel.pp=1{' parallel.vpp=null' if layout.vpp else ''}.")
     if model.num_experts:
         out.append(f"data.packing with model={model.name} (MoE): packed documents are built for dense models only. "
                    "Fix: data.packing=false.")

@@ -227,3 +227,39 @@ def _elapsed(started: float, device) -> float:
 def padded_tokens(lengths: list[int], cp_size: dict[int, int]) -> int:
     """Tokens after each document is padded to a multiple of 2·its CP size."""
     return sum(padded_length(n, 2 * cp_size[i]) if cp_size[i] > 1 else n for i, n in enumerate(lengths))
+
+
+PREVIEW_STEPS = 20
+
+
+def preview_lines(cfg, layout, job_dir) -> list[str]:
+    """What `launcher=plan` prints for packed data: the documents of the first steps and,
+    under dynamic CP, the hybrid groups and the CP sizes the scheduler deals out (the same
+    schedule every rank computes while training)."""
+    import statistics
+    from pathlib import Path
+
+    from ..data.data_source import make_source
+
+    steps = min(cfg.train.steps, PREVIEW_STEPS)
+    source = make_source(cfg.data, cfg.train, cfg.model, Path(job_dir) / "data_cache")
+    batches = [[len(d) for d in source.global_documents("train", s)] for s in range(steps)]
+    every = [n for b in batches for n in b]
+    context = sum(n * n for n in every) / sum(every)
+    lines = [f"documents   steps 0-{steps - 1}: {len(every):,} documents of {min(every):,} to {max(every):,} tokens "
+             f"(median {statistics.median(every):,.0f}); mean context {context:,.0f} of {cfg.train.seq_length:,} tokens"]
+    if cfg.parallel.cp_mode != "dynamic":
+        return lines
+    ranks = layout.dp * layout.cp
+    per_rank = cfg.parallel.max_seqlen_per_rank or max(1, cfg.train.seq_length // ranks)
+    sizes = [2 ** i for i in range(1, ranks.bit_length()) if 2 ** i <= ranks]
+    groups = "; ".join(f"of {k}: " + " ".join(str(list(range(j, j + k))) for j in range(0, ranks, k)) for k in sizes)
+    lines.append(f"dynamic CP  at most {per_rank:,} tokens of a document per rank; CP groups (DP ranks) {groups or 'none'}")
+    scheduler = make_scheduler(per_rank, ranks)
+    plans = [schedule(scheduler, b) for b in batches]
+    cp = histogram(k for p in plans for k in p.cp_size.values())
+    lines.append("            " + ", ".join(f"CP {k} x {n:,}" for k, n in cp.items())
+                 + f" (documents, first {steps} steps); {sum(len(p.work) for p in plans) / steps:.1f} groups/step; "
+                 f"estimated imbalance {sum(p.imbalance for p in plans) / steps:.2f} (max/mean per rank); "
+                 f"{sum(p.seconds for p in plans) / steps * 1e3:.1f} ms/step to schedule")
+    return lines

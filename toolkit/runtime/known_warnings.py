@@ -62,6 +62,11 @@ LOGGERS = (
      "matplotlib builds its font cache the first time it is imported on a machine and says so at INFO; under "
      "Hydra's logging (INFO, on the terminal) a sweep's first plot printed `[HYDRA] generated new fontManager`. "
      "Its warnings (a font not found) still print"),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp", logging.WARNING,
+     "Megatron-FSDP logs at INFO, when Megatron-Core is imported, what it detected (`Detected Megatron Core, "
+     "using Megatron-FSDP with Megatron`, `Using Megatron-FSDP without Transformer Engine`), whether or not it "
+     "is used; under Hydra's logging (INFO, on the terminal) `launcher=plan` with packed data, which imports "
+     "Megatron-Core's scheduler, printed both. The plan names ZeRO-3 (Megatron-FSDP) itself"),
     ("hydra._internal.core_plugins.basic_launcher", logging.WARNING,
      "Hydra's local launcher logs `Launching N jobs locally` and each job's overrides; a sweep prints its own "
      "`point` line per point (gridwright.tracking.sweep)"),

@@ -10,8 +10,9 @@ get CP 2, 4, ... This is the scheduler `dynamic_cp` calls on every rank each ste
 time is host time every step pays. A size that does not finish within `--limit-s` is
 reported as such (the scheduler is Python, with loops over every rank per document).
 
-Balance: per rank the scheduler's own work estimate (sum of length² / CP size), max over
-mean (1.00 is perfect); groups: barriers per step; aligned: every document on a
+Both schedulers of `cp_schedulers` run on the same documents. Balance: per rank the
+training FLOPs of its documents (bench_1b's, each divided by its CP size), max over mean
+(1.00 is perfect); groups: barriers per step plus one; aligned: every document on a
 Megatron-Core hybrid group (ranks [j·k, (j+1)·k)).
 """
 from __future__ import annotations
@@ -27,9 +28,11 @@ from omegaconf import OmegaConf
 from gridwright.evaluations.results_file import stamp_now, write_markdown
 
 
-def _simulate(ranks: int, args, queue) -> None:
+def _simulate(name: str, ranks: int, args, queue) -> None:
     from gridwright.data.packing import document_lengths, histogram
-    from gridwright.engines.dynamic_cp import aligned, make_scheduler, schedule
+    from gridwright.engines.cp_schedulers import aligned, make_scheduler
+    from gridwright.engines.dynamic_cp import document_cost
+    from gridwright.config.compose import compose_config
 
     import numpy as np
 
@@ -38,12 +41,13 @@ def _simulate(ranks: int, args, queue) -> None:
     rows = ranks * args.tokens_per_rank // args.row
     lengths = [n for i in range(rows)
                for n in document_lengths(np.random.default_rng([args.seed, i]), lengths_cfg, args.row)]
-    scheduler = make_scheduler(args.max_seqlen_per_rank, ranks)
+    cost = document_cost(compose_config(["model=bench_1b"]))
+    scheduler = make_scheduler(name, args.max_seqlen_per_rank, ranks, cost)
     started = time.perf_counter()
-    plan = schedule(scheduler, lengths)
+    plan = scheduler.schedule(lengths)
     seconds = time.perf_counter() - started
     queue.put({
-        "ranks": ranks, "documents": len(lengths), "tokens": sum(lengths), "schedule_s": seconds,
+        "scheduler": name, "ranks": ranks, "documents": len(lengths), "tokens": sum(lengths), "schedule_s": seconds,
         "imbalance": plan.imbalance, "groups": len(plan.work), "aligned": aligned(plan.work, plan.cp_size),
         "cp_sizes": histogram(plan.cp_size.values()),
     })
@@ -56,25 +60,27 @@ def main() -> None:
     ap.add_argument("--row", type=int, default=32768)
     ap.add_argument("--max-seqlen-per-rank", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--schedulers", nargs="+", default=["megatron", "gridwright"])
     ap.add_argument("--limit-s", type=float, default=300.0, help="give up on a size after this long")
     ap.add_argument("--out", type=Path, help="also write the table as a dated results file into this folder")
     args = ap.parse_args()
-    head = "| DP ranks | documents | tokens | schedule s | imbalance (max/mean) | groups | aligned | documents by CP size |"
-    lines = [head, "| --- " * 8 + "|"]
+    head = ("| scheduler | DP ranks | documents | tokens | schedule s | imbalance (max/mean) | groups | aligned "
+            "| documents by CP size |")
+    lines = [head, "| --- " * 9 + "|"]
     print("\n".join(lines), flush=True)
-    for ranks in args.ranks:
+    for name, ranks in ((name, ranks) for ranks in args.ranks for name in args.schedulers):
         queue = mp.get_context("fork").Queue()
-        proc = mp.get_context("fork").Process(target=_simulate, args=(ranks, args, queue))
+        proc = mp.get_context("fork").Process(target=_simulate, args=(name, ranks, args, queue))
         proc.start()
         proc.join(args.limit_s)
         if proc.is_alive():
             proc.terminate()
             proc.join()
-            line = f"| {ranks:,} | | | > {args.limit_s:.0f} (stopped) | | | | |"
+            line = f"| {name} | {ranks:,} | | | > {args.limit_s:.0f} (stopped) | | | | |"
         else:
             r = queue.get()
             sizes = ", ".join(f"CP{k}: {n:,}" for k, n in r["cp_sizes"].items())
-            line = (f"| {ranks:,} | {r['documents']:,} | {r['tokens']:,} | {r['schedule_s']:.3f} | {r['imbalance']:.3f} "
+            line = (f"| {name} | {ranks:,} | {r['documents']:,} | {r['tokens']:,} | {r['schedule_s']:.3f} | {r['imbalance']:.3f} "
                     f"| {r['groups']} | {'yes' if r['aligned'] else 'no'} | {sizes} |")
         lines.append(line)
         print(line, flush=True)

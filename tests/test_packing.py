@@ -97,18 +97,27 @@ def test_a_planted_document_never_reaches_the_next_one():
     assert max(abs(x - y) for x, y in zip(with_a["losses"][start:], leaking["losses"][start:])) > 1e-3
 
 
-def test_scheduler_deals_every_document_once_to_aligned_groups():
-    from gridwright.engines.dynamic_cp import aligned, make_scheduler, schedule
+@pytest.mark.parametrize("name", ["megatron", "gridwright"])
+def test_scheduler_deals_every_document_once_to_aligned_groups(name):
+    from gridwright.engines.cp_schedulers import aligned, make_scheduler
 
     rng = np.random.default_rng(3)
     lengths = [int(x) for x in np.clip(rng.lognormal(np.log(1024), 1.5, 200), 16, 32768)]
-    plan = schedule(make_scheduler(8192, 8), lengths)
+    plan = make_scheduler(name, 8192, 8).schedule(lengths)
     dealt = {i for group in plan.work for rank in group for i in rank}
     assert dealt == set(range(len(lengths)))
     assert aligned(plan.work, plan.cp_size)
     assert {plan.cp_size[i] for i, n in enumerate(lengths) if n > 16384} <= {4, 8}
     assert all(plan.cp_size[i] >= 2 for i, n in enumerate(lengths) if n > 8192)
     assert 1.0 <= plan.imbalance < 1.5
+    if name == "gridwright":  # one group, no barriers; shared documents in one global order
+        assert len(plan.work) == 1 and plan.imbalance < 1.05
+        position = {}
+        for rank_ids in plan.work[0]:
+            shared = [i for i in rank_ids if plan.cp_size[i] > 1]
+            for a, b in zip(shared, shared[1:]):
+                position.setdefault((a, b), True)
+                assert (b, a) not in position  # no two ranks run two shared documents in opposite orders
 
 
 # Packed training at every layout against one process, per step (losses and gradient norms).
@@ -117,6 +126,8 @@ LAYOUTS = {
     "cp2": ["parallel.cp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
     "dynamic_dp4": ["cluster.gpus_per_node=4", "parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=64"],
+    "dynamic_dp4_gridwright": ["cluster.gpus_per_node=4", "parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=64",
+                               "parallel.cp_scheduler=gridwright"],
 }
 PACKED = ["data.packing=true", "train.seq_length=256", "train.global_batch_size=4", "train.micro_batch_size=1",
           "train.steps=4", "train.warmup_steps=1", "data.doc_lengths.median=40", "data.doc_lengths.min=4"]

@@ -77,6 +77,11 @@ class CpMode(StrEnum):
     DYNAMIC = "dynamic"  # a CP size per document, balanced over the DP ranks (packed data)
 
 
+class CpScheduler(StrEnum):
+    MEGATRON = "megatron"  # Megatron-Core's BalancedCPScheduler: groups of documents, barriers between
+    GRIDWRIGHT = "gridwright"  # longest first by FLOPs over the whole batch, no barriers (cp_schedulers)
+
+
 class LengthDistribution(StrEnum):
     LOGNORMAL = "lognormal"
     FIXED = "fixed"
@@ -155,6 +160,8 @@ class ParallelConfig:
     # max_seqlen_per_dp_cp_rank); a longer document is split over 2, 4 ... ranks.
     # None: train.seq_length // DP.
     max_seqlen_per_rank: Optional[int] = None
+    # dynamic: who deals the documents to the ranks (gridwright.engines.cp_schedulers)
+    cp_scheduler: str = choice("megatron", CpScheduler)
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Dynamic context parallelism (`parallel.cp_mode=dynamic`): Megatron-Core's hybrid DP×CP
 (ByteScale's hybrid data parallelism, arXiv 2502.21231) driven by gridwright's loop.
 
-Each step, every document of the global batch gets the CP size its length needs
-(`BalancedCPScheduler.gpus_needed`: the next power of two of length / max_seqlen_per_rank),
-and Megatron-Core's balanced scheduler deals the documents out to the DP ranks in groups,
-so that every rank has about the same attention work (length² / CP size) before the next
-barrier. A document with CP size k runs on one of Megatron-Core's hybrid groups of k ranks
+Each step, every document of the global batch gets the CP size its length needs (the next
+power of two of length / max_seqlen_per_rank), and a scheduler (`cp_schedulers`:
+Megatron-Core's BalancedCPScheduler, or gridwright's) deals the documents out to the DP
+ranks so that every rank has about the same work. A document with CP size k runs on one
+of Megatron-Core's hybrid groups of k ranks
 (`initialize_model_parallel(hybrid_context_parallel=True)`), gathering its keys and values
 within that group (`torch_attention.context_parallel`).
 
@@ -28,96 +28,43 @@ token count, so the update equals one process's on the same documents.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ..data.packing import histogram, pack, padded_length
+from .cp_schedulers import aligned, flops_cost, make_scheduler
 
 
-@dataclass
-class Schedule:
-    """One global batch dealt out: `work[g][r]` are the document ids rank r runs in group g;
-    `cp_size[i]` is document i's CP size."""
+def document_cost(cfg):
+    """A document's training FLOPs as the plan counts them (model_math, the run's FLOPs
+    definition): the cost both schedulers' estimates and gridwright's scheduler use."""
+    from ..planning.model_math import model_flops_per_token
 
-    work: list[list[list[int]]]
-    cp_size: dict[int, int]
-    seconds: float  # time the scheduler took
-    estimated_load: list[float] = field(default_factory=list)  # per rank: sum of length² / CP size
-
-    @property
-    def imbalance(self) -> float:
-        """max / mean of the scheduler's estimated per-rank work (1.0 is perfect balance)."""
-        mean = sum(self.estimated_load) / len(self.estimated_load)
-        return max(self.estimated_load) / mean if mean else 1.0
+    definition = cfg.evaluate.flops_definition
+    dense = model_flops_per_token(cfg.model, 0, definition)
+    return flops_cost(dense, model_flops_per_token(cfg.model, 1, definition) - dense)
 
 
-def make_scheduler(max_seqlen_per_rank: int, ranks: int):
-    """Megatron-Core's BalancedCPScheduler for `ranks` DP ranks (it only asks the group for
-    its size, so a simulation passes a number)."""
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
-    class _Size:
-        def size(self):
-            return ranks
-
-    return BalancedCPScheduler(max_seqlen_per_rank, _Size())
-
-
-def schedule(scheduler, lengths: list[int]) -> Schedule:
-    """Deal documents of `lengths` (by id = position) to the scheduler's ranks."""
-    started = time.perf_counter()
-    _groups, work = scheduler.get_groups_and_subsamples(list(enumerate(lengths)), None)
-    seconds = time.perf_counter() - started
-    ranks = scheduler.total_hdp_gpus
-    cp_size: dict[int, int] = {}
-    for group in work:
-        for rank_ids in group:
-            for i in rank_ids:
-                cp_size[i] = cp_size.get(i, 0) + 1
-    for group in work:  # a document runs in one group only
-        holders = {}
-        for r, rank_ids in enumerate(group):
-            for i in rank_ids:
-                holders.setdefault(i, []).append(r)
-        for i, rs in holders.items():
-            if len(rs) != cp_size[i]:
-                raise RuntimeError(f"document {i} is scheduled in more than one group")
-    load = [0.0] * ranks
-    for group in work:
-        for r, rank_ids in enumerate(group):
-            load[r] += sum(lengths[i] ** 2 / cp_size[i] for i in rank_ids)
-    return Schedule(work, cp_size, seconds, load)
-
-
-def aligned(work: list[list[list[int]]], cp_size: dict[int, int]) -> bool:
-    """Whether every document of size k runs on ranks [j·k, (j+1)·k): the hybrid groups
-    Megatron-Core builds (parallel_state.create_hybrid_dp_cp_groups), the only ones a
-    document can use."""
-    for group in work:
-        holders: dict[int, list[int]] = {}
-        for r, rank_ids in enumerate(group):
-            for i in rank_ids:
-                holders.setdefault(i, []).append(r)
-        for i, rs in holders.items():
-            k = cp_size[i]
-            if rs != list(range(rs[0], rs[0] + k)) or rs[0] % k:
-                return False
-    return True
+def scheduler_for(cfg, ranks: int):
+    """The run's scheduler (parallel.cp_scheduler) over `ranks` DP ranks."""
+    p = cfg.parallel
+    per_rank = p.max_seqlen_per_rank or max(1, cfg.train.seq_length // ranks)
+    return make_scheduler(p.cp_scheduler, per_rank, ranks, document_cost(cfg))
 
 
 class DynamicContextParallel:
     """One rank's driver: schedule the global batch, then run the documents this rank was
     dealt, group by group, forward and backward, with a barrier between groups."""
 
-    def __init__(self, source, max_seqlen_per_rank: int, device):
+    def __init__(self, cfg, source, device):
         from megatron.core import parallel_state as ps
 
-        self.source, self.device, self.max_seqlen = source, device, max_seqlen_per_rank
+        self.source, self.device = source, device
         self.group = ps.get_data_parallel_group(with_context_parallel=True)
         self.rank, self.ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.scheduler = make_scheduler(max_seqlen_per_rank, self.ranks)
+        self.scheduler = scheduler_for(cfg, self.ranks)
+        self.max_seqlen = self.scheduler.max_seqlen
         # For k = every rank Megatron-Core hands out the DP group itself; a group of the
         # same members but its own communicator keeps a document's attention apart from the
         # gradient reduction, in the traces too (trace_analysis: "cp<k>").
@@ -135,9 +82,9 @@ class DynamicContextParallel:
         """Forward (and backward) over global batch `index`; returns the loss sum and
         token count of this rank's tokens, and the step's schedule facts."""
         docs = self.source.global_documents(split, index)
-        plan = schedule(self.scheduler, [len(d) for d in docs])
+        plan = self.scheduler.schedule([len(d) for d in docs])
         if not aligned(plan.work, plan.cp_size):
-            raise RuntimeError("Megatron-Core's scheduler placed a document on ranks that form no hybrid "
+            raise RuntimeError("the scheduler placed a document on ranks that form no hybrid "
                                "CP group (see dynamic_cp.aligned)")
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.int, device=self.device)
@@ -251,15 +198,16 @@ def preview_lines(cfg, layout, job_dir) -> list[str]:
     if cfg.parallel.cp_mode != "dynamic":
         return lines
     ranks = layout.dp * layout.cp
-    per_rank = cfg.parallel.max_seqlen_per_rank or max(1, cfg.train.seq_length // ranks)
+    scheduler = scheduler_for(cfg, ranks)
+    per_rank = scheduler.max_seqlen
     sizes = [2 ** i for i in range(1, ranks.bit_length()) if 2 ** i <= ranks]
     groups = "; ".join(f"of {k}: " + " ".join(str(list(range(j, j + k))) for j in range(0, ranks, k)) for k in sizes)
     lines.append(f"dynamic CP  at most {per_rank:,} tokens of a document per rank; CP groups (DP ranks) {groups or 'none'}")
-    scheduler = make_scheduler(per_rank, ranks)
-    plans = [schedule(scheduler, b) for b in batches]
+    plans = [scheduler.schedule(b) for b in batches]
     cp = histogram(k for p in plans for k in p.cp_size.values())
     lines.append("            " + ", ".join(f"CP {k} x {n:,}" for k, n in cp.items())
                  + f" (documents, first {steps} steps); {sum(len(p.work) for p in plans) / steps:.1f} groups/step; "
-                 f"estimated imbalance {sum(p.imbalance for p in plans) / steps:.2f} (max/mean per rank); "
+                 f"estimated imbalance {sum(p.imbalance for p in plans) / steps:.2f} (max/mean per rank, "
+                 f"FLOPs); {cfg.parallel.cp_scheduler}'s scheduler "
                  f"{sum(p.seconds for p in plans) / steps * 1e3:.1f} ms/step to schedule")
     return lines

@@ -175,8 +175,7 @@ class MegatronTrainer:
         if cfg.parallel.cp_mode == "dynamic":
             from .dynamic_cp import DynamicContextParallel
 
-            self.dynamic_cp = DynamicContextParallel(self.data, max_seqlen_per_rank(cfg.parallel, t, layout),
-                                                     self.device)
+            self.dynamic_cp = DynamicContextParallel(cfg, self.data, self.device)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = (
             ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -296,11 +295,6 @@ def packing_multiple(layout: ParallelLayout) -> int:
     """What each packed document is padded to a multiple of: 2·CP (static CP cuts it into
     2·CP chunks), times TP under sequence parallelism (which splits the tokens over TP)."""
     return (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp else 1)
-
-
-def max_seqlen_per_rank(parallel, train, layout: ParallelLayout) -> int:
-    """Dynamic CP: the most tokens of a document one rank holds (None: seq_length / DP)."""
-    return parallel.max_seqlen_per_rank or max(1, train.seq_length // layout.dp)
 
 
 @contextlib.contextmanager

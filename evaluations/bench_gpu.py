@@ -132,24 +132,54 @@ ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_ds_zero1_tp2_sp_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]
                                                    + DS_BUCKETS),
 }.items()}
-# Variable-length documents on 4 GPUs: rows of 32k tokens packed with whole documents of a
-# long-tailed length mix (lognormal, median 1k, sigma 1.5, capped at the row: about 85
-# documents a step, a few of 16k-32k), uncompiled (shapes change every micro-batch).
-# Static CP=4, CP=2 x DP=2 and DP=4 against dynamic CP, whose longest documents are split
-# over 2 or 4 ranks (at most 8k tokens per rank, as under CP=4), and dynamic CP with 32k
-# per rank (every document on one rank: the balanced schedule alone).
-VARLEN_BASE = ["+experiment=bench_gpu", "cluster=h100_x4", "data.packing=true", "train.seq_length=32768",
-               "model.max_position_embeddings=32768", "train.micro_batch_size=1", "train.global_batch_size=8",
+# Variable-length documents: rows of 32k tokens packed with whole documents of a
+# long-tailed length mix (lognormal, median 1k, sigma 1.5, capped at the row: about 10
+# documents a row, a few of 16k-32k), uncompiled (shapes change every micro-batch). On 4
+# GPUs: static CP=4, CP=2 x DP=2 and DP=4 against dynamic CP whose longest documents are
+# split over 2 or 4 ranks (at most 8k tokens per rank, as under CP=4), under either
+# scheduler, and with 32k per rank (every document on one rank: the balance alone). On 2
+# GPUs the same at half the scale.
+VARLEN_BASE = ["+experiment=bench_gpu", "data.packing=true", "train.seq_length=32768",
+               "model.max_position_embeddings=32768", "train.micro_batch_size=1",
                "data.doc_lengths.median=1024", "data.doc_lengths.sigma=1.5", "train.steps=14"]
-VARLEN = {name: (4, overrides + TRACED) for name, overrides in {
-    "varlen_cp4": VARLEN_BASE + ["parallel.cp=4"],
-    "varlen_cp2_dp2": VARLEN_BASE + ["parallel.cp=2"],
-    "varlen_dp4": VARLEN_BASE,
-    "varlen_dynamic": VARLEN_BASE + ["parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=8192"],
-    "varlen_dynamic_32k": VARLEN_BASE + ["parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=32768"],
+DYNAMIC = ["parallel.cp_mode=dynamic"]
+VARLEN_4 = VARLEN_BASE + ["cluster=h100_x4", "train.global_batch_size=8"]
+VARLEN_2 = VARLEN_BASE + ["cluster=h100_x2", "train.global_batch_size=4"]
+# The Llama-3-8B shape (16 layers), where a rank cannot hold a whole 32k row (DP is refused
+# by the memory check) and static layouts need CP for every document.
+LLAMA_16L = ["model=llama3_8b", "model.num_layers=16", "train.steps=12"]
+VARLEN = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "varlen_cp4": (4, VARLEN_4 + ["parallel.cp=4"]),
+    "varlen_cp2_dp2": (4, VARLEN_4 + ["parallel.cp=2"]),
+    "varlen_dp4": (4, VARLEN_4),
+    "varlen_dynamic": (4, VARLEN_4 + DYNAMIC + ["parallel.max_seqlen_per_rank=8192"]),
+    "varlen_dynamic_gridwright": (4, VARLEN_4 + DYNAMIC + ["parallel.max_seqlen_per_rank=8192",
+                                                          "parallel.cp_scheduler=gridwright"]),
+    "varlen_dynamic_32k_gridwright": (4, VARLEN_4 + DYNAMIC + ["parallel.max_seqlen_per_rank=32768",
+                                                              "parallel.cp_scheduler=gridwright"]),
+    "varlen_8b16l_cp4": (4, VARLEN_4 + LLAMA_16L + ["parallel.cp=4"]),
+    "varlen_8b16l_cp2_dp2": (4, VARLEN_4 + LLAMA_16L + ["parallel.cp=2"]),
+    "varlen_8b16l_dp4": (4, VARLEN_4 + LLAMA_16L),
+    "varlen_8b16l_dynamic": (4, VARLEN_4 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=8192"]),
+    "varlen_8b16l_dynamic_gridwright": (4, VARLEN_4 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=8192",
+                                                                            "parallel.cp_scheduler=gridwright"]),
+}.items()}
+VARLEN_2GPU = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "varlen2_cp2": (2, VARLEN_2 + ["parallel.cp=2"]),
+    "varlen2_dp2": (2, VARLEN_2),
+    "varlen2_dynamic": (2, VARLEN_2 + DYNAMIC + ["parallel.max_seqlen_per_rank=16384"]),
+    "varlen2_dynamic_gridwright": (2, VARLEN_2 + DYNAMIC + ["parallel.max_seqlen_per_rank=16384",
+                                                           "parallel.cp_scheduler=gridwright"]),
+    "varlen2_dynamic_32k_gridwright": (2, VARLEN_2 + DYNAMIC + ["parallel.max_seqlen_per_rank=32768",
+                                                               "parallel.cp_scheduler=gridwright"]),
+    "varlen2_8b16l_cp2": (2, VARLEN_2 + LLAMA_16L + ["parallel.cp=2"]),
+    "varlen2_8b16l_dp2": (2, VARLEN_2 + LLAMA_16L),
+    "varlen2_8b16l_dynamic": (2, VARLEN_2 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=16384"]),
+    "varlen2_8b16l_dynamic_gridwright": (2, VARLEN_2 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=16384",
+                                                                             "parallel.cp_scheduler=gridwright"]),
 }.items()}
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
-          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN}}
+          "varlen_2gpu": VARLEN_2GPU, "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU}}
 
 
 def device_overrides() -> list[str]:

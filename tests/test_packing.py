@@ -73,15 +73,16 @@ def _dense_reference(q, k, v, cu):
 
 
 def test_document_attention_equals_a_block_diagonal_mask():
-    from gridwright.engines.torch_attention import documents
+    from gridwright.engines.torch_attention import documents, thd_params
 
     torch.manual_seed(0)
     cu = torch.tensor([0, 7, 8, 30, 64], dtype=torch.int32)
     q, k, v = torch.randn(64, 4, 16), torch.randn(64, 2, 16), torch.randn(64, 2, 16)
-    assert torch.allclose(documents(q, k, v, cu), _dense_reference(q, k, v, cu), atol=1e-6)
+    out = documents(q, k, v, thd_params(cu, 34, "cpu"))
+    assert torch.allclose(out, _dense_reference(q, k, v, cu), atol=1e-6)
     # and it is not plain causal attention over the row
     plain = _dense_reference(q, k, v, torch.tensor([0, 64], dtype=torch.int32))
-    assert not torch.allclose(documents(q, k, v, cu), plain, atol=1e-3)
+    assert not torch.allclose(out, plain, atol=1e-3)
 
 
 def test_a_planted_document_never_reaches_the_next_one():

@@ -107,7 +107,7 @@ def pack(docs: list[Document], multiple: int = 1, device=None) -> dict:
         "labels": as_tensor(labels),
         "loss_mask": as_tensor(mask),
         "position_ids": as_tensor(positions),
-        "cu_seqlens": torch.from_numpy(cu).to(device),
+        "cu_seqlens": torch.from_numpy(cu),  # on the host (torch_attention.thd_params)
         "max_seqlen": max(padded),
     }
 

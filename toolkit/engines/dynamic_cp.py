@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..data.packing import histogram, pack, padded_length
 from .cp_schedulers import aligned, flops_cost, make_scheduler
+from .torch_attention import thd_params
 
 
 def document_cost(cfg):
@@ -123,8 +124,7 @@ class DynamicContextParallel:
             params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                                      max_seqlen_kv=longest, local_cp_size=k, cp_group=cp_group)
         else:
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                     max_seqlen_kv=longest)
+            params = thd_params(cu, longest, self.device)
         losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params)
         mask = batch["loss_mask"]
         doc_sum = torch.sum(losses.float().view(-1) * mask.view(-1))

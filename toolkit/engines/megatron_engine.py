@@ -61,15 +61,14 @@ def _packed_forward_step(data_iterator, model):
     """One THD micro-batch of whole documents (`packing.pack`); under static CP this rank
     keeps chunks r and 2·CP-1-r of every document."""
     from megatron.core import parallel_state as ps
-    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from .torch_attention import thd_params
 
     batch = next(data_iterator)
     cp = ps.get_context_parallel_world_size()
     if cp > 1:
         batch = _documents_on_this_cp_rank(batch, ps.get_context_parallel_rank(), cp)
-    cu, longest = batch["cu_seqlens"], batch["max_seqlen"]
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = thd_params(batch["cu_seqlens"], batch["max_seqlen"], batch["tokens"].device)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=params)
     return output, partial(_token_loss, batch["loss_mask"])

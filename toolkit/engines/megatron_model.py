@@ -117,13 +117,12 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention does not support attention bias")
         dropout = self.dropout if self.training else 0.0
         psp = packed_seq_params
-        if psp is not None and psp.qkv_format == "thd":
-            cu = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
+        if psp is not None and psp.qkv_format == "thd":  # built by torch_attention.thd_params
             if self.cp_size > 1:
                 out = torch_attention.context_parallel_documents(
-                    query, key, value, cu, ps.get_context_parallel_group(), self.softmax_scale, dropout)
+                    query, key, value, psp, ps.get_context_parallel_group(), self.softmax_scale, dropout)
             else:
-                out = torch_attention.documents(query, key, value, cu, self.softmax_scale, dropout)
+                out = torch_attention.documents(query, key, value, psp, self.softmax_scale, dropout)
             return out.reshape(out.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
         group = psp.cp_group if psp is not None else (ps.get_context_parallel_group() if self.cp_size > 1 else None)

@@ -11,6 +11,7 @@ assume.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -106,53 +107,98 @@ def _varlen_kernel():
     return None, None
 
 
-@torch.compiler.disable
-def documents(q, k, v, cu_seqlens, scale=None, dropout=0.0):
-    """Causal attention inside each packed document: [t, heads, dim] -> [t, heads, dim].
-    On CUDA one varlen flash call covers every document (no mask is built); elsewhere (the
-    CPU, dropout) one SDPA per document: the same result, the reference the tests use."""
-    kernel, causal = _varlen_kernel()
-    if kernel is not None and q.is_cuda and dropout == 0.0 and q.dtype in (torch.bfloat16, torch.float16):
-        cu = cu_seqlens.to(torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
+def thd_params(cu_seqlens, longest: int, device):
+    """Megatron-Core's PackedSeqParams for a THD micro-batch. Its `cu_seqlens` stay on the
+    host: Megatron-Core's THD rope reads them with `.tolist()` in every layer
+    (rope_utils._apply_rotary_pos_emb_thd), which on the GPU would wait for the device
+    each time; the device copy the kernels need rides along as `cu_seqlens_device`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to("cpu", torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    params.cu_seqlens_device = cu.to(device, non_blocking=True)
+    return params
+
+
+def _on_kernel(q, dropout) -> bool:
+    kernel, _ = _varlen_kernel()
+    return kernel is not None and q.is_cuda and dropout == 0.0 and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def prefix_attention(q, k, v, q_lens: list[int], k_lens: list[int], cu_q=None, cu_k=None, scale=None, dropout=0.0):
+    """Segments of packed queries, each attending to its own segment of packed keys with the
+    causal diagonal at the segment's last key (query j of a segment of n queries and m keys
+    sees keys 0 .. m-n+j). [t_q, heads, dim] x [t_k, groups, dim] -> [t_q, heads, dim].
+    On CUDA one varlen flash call (flash attention's causal mask is aligned to the bottom
+    right when queries are fewer than keys); elsewhere one SDPA per segment."""
+    if _on_kernel(q, dropout):
+        kernel, causal = _varlen_kernel()
         if k.shape[1] != q.shape[1] and "enable_gqa" not in causal:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        return kernel(q, k, v, cu, cu, longest, longest, scale=scale, **causal)
-    bounds = cu_seqlens.tolist()
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        part = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]  # [1, heads, l, dim]
-        outs.append(causal_sdpa(*part, scale=scale, dropout=dropout)[0].transpose(0, 1))
+        if cu_q is None:
+            cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32).to(q.device, non_blocking=True)
+        if cu_k is None:
+            cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32).to(q.device, non_blocking=True)
+        return kernel(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), scale=scale, **causal)
+    outs, at_q, at_k = [], 0, 0
+    for n, m in zip(q_lens, k_lens):
+        part_q = q[at_q:at_q + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+        part_k, part_v = (x[at_k:at_k + m].transpose(0, 1).unsqueeze(0) for x in (k, v))
+        lower_right = None if n == m else (n, m)
+        outs.append(causal_sdpa(part_q, part_k, part_v, scale, dropout, lower_right)[0].transpose(0, 1))
+        at_q, at_k = at_q + n, at_k + m
     return torch.cat(outs)
 
 
 @torch.compiler.disable
-def context_parallel_documents(q, k, v, cu_seqlens, group, scale=None, dropout=0.0):
-    """Packed documents under context parallelism: `cu_seqlens` are the whole documents'
-    (padded) bounds; this rank holds chunks r and 2·CP-1-r of each document, in document
-    order. Keys and values are gathered from the group once per layer; each local chunk
-    then attends to its document's keys before it (lower-right causal)."""
+def documents(q, k, v, params, scale=None, dropout=0.0):
+    """Causal attention inside each packed document of `params` (thd_params):
+    [t, heads, dim] -> [t, heads, dim], no mask built."""
+    lengths = params.cu_seqlens_q.diff().tolist()  # host tensor: no wait for the device
+    device_cu = getattr(params, "cu_seqlens_device", None)
+    return prefix_attention(q, k, v, lengths, lengths, device_cu, device_cu, scale, dropout)
+
+
+@torch.compiler.disable
+def context_parallel_documents(q, k, v, params, group, scale=None, dropout=0.0):
+    """Packed documents under context parallelism: `params.cu_seqlens_q` are the whole
+    documents' (padded) bounds; this rank holds chunks r and 2·CP-1-r of each document, in
+    document order. Keys and values are gathered from the group once per layer; each local
+    chunk then attends to its document's keys before it: one `prefix_attention` over every
+    chunk, whose keys are picked from the gathered ones by an index built once per
+    micro-batch (`_cp_plan`)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    keys = _GatherSequence.apply(k, group)  # [cp, t_local, groups, dim]
-    values = _GatherSequence.apply(v, group)
-    bounds = [b // size for b in cu_seqlens.tolist()]  # local bounds, the same on every rank
-    outs = []
+    plan = params.__dict__.get("gridwright_cp_plan")
+    if plan is None:
+        plan = params.gridwright_cp_plan = _cp_plan(params.cu_seqlens_q.tolist(), rank, size, q.device)
+    keys = _GatherSequence.apply(k, group).flatten(0, 1)  # [cp * t_local, groups, dim]
+    values = _GatherSequence.apply(v, group).flatten(0, 1)
+    index, q_lens, k_lens, cu_q, cu_k = plan
+    return prefix_attention(q, keys.index_select(0, index), values.index_select(0, index), q_lens, k_lens,
+                            cu_q, cu_k, scale, dropout)
+
+
+def _cp_plan(bounds: list[int], rank: int, size: int, device):
+    """For `context_parallel_documents`: the gathered rows each local chunk attends to (its
+    document's tokens up to the chunk's end, in global order), with the segment lengths."""
+    import numpy as np
+
+    t_local = bounds[-1] // size
+    rows, q_lens, k_lens = [], [], []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        half = (end - start) // 2
-        doc_k, doc_v = (_document_in_order(x, start, half, size) for x in (keys, values))
-        for local, chunk in ((0, rank), (1, 2 * size - 1 - rank)):
-            last = (chunk + 1) * half
-            part_q = q[start + local * half:start + (local + 1) * half].transpose(0, 1).unsqueeze(0)
-            part_k, part_v = (x[:last].transpose(0, 1).unsqueeze(0) for x in (doc_k, doc_v))
-            out = causal_sdpa(part_q, part_k, part_v, scale, dropout, (half, last))
-            outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
-
-
-def _document_in_order(parts, start, half, size):
-    """One document's tokens in global order from the gathered [cp, t_local, ...] parts."""
-    chunks = [None] * (2 * size)
-    for r in range(size):
-        chunks[r] = parts[r, start:start + half]
-        chunks[2 * size - 1 - r] = parts[r, start + half:start + 2 * half]
-    return torch.cat(chunks)
+        half = (end - start) // (2 * size)
+        local = start // size
+        # chunk c of the document sits on rank c (first half of its local share) or on rank
+        # 2·size-1-c (second half); gathered row of (rank p, local position i): p·t_local + i
+        order = np.concatenate([
+            np.arange(half) + (c if c < size else 2 * size - 1 - c) * t_local + local + (0 if c < size else half)
+            for c in range(2 * size)])
+        for chunk in (rank, 2 * size - 1 - rank):
+            rows.append(order[:(chunk + 1) * half])
+            q_lens.append(half)
+            k_lens.append((chunk + 1) * half)
+    index = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(device)  # noqa: E731
+    on_cuda = torch.device(device).type == "cuda"
+    return index, q_lens, k_lens, cu(q_lens) if on_cuda else None, cu(k_lens) if on_cuda else None

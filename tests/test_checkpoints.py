@@ -1,5 +1,6 @@
 """Megatron-Core checkpoints: exact resume after SIGKILL, and resharding onto other layouts."""
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -61,8 +62,15 @@ def test_unfinished_save_is_ignored_and_a_broken_pointer_is_refused(run_launch, 
     train(run_launch, tmp_path, "first", "train.steps=2", f"checkpoint.save={ck}")
     (ck / "iter_0000003.partial").mkdir()
     (ck / "iter_0000003.partial" / "junk").write_text("half a save")
-    resumed = train(run_launch, tmp_path, "second", "train.steps=4", f"checkpoint.load={ck}")
-    assert sorted(resumed) == [2, 3]
+    second = run_launch("tracking=off", f"job_dir={tmp_path / 'second'}", "train.warmup_steps=1", "train.steps=5",
+                        f"checkpoint.load={ck}")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert sorted(losses(tmp_path / "second")) == [2, 3, 4]
+    # More steps than the saved run stretch the cosine decay (lr 1e-2 to 1e-3 after 1 warm-up
+    # step): at step 2 of 2 it had reached the floor; of 5 it is a quarter into the decay.
+    now = 0.001 + 0.009 * 0.5 * (math.cos(math.pi * (2 - 1) / (5 - 1)) + 1)
+    assert (f"resume      train.steps 2 -> 5 changes the LR schedule: lr at step 2 was 1.0e-03, "
+            f"is now {now:.1e}") in second.stdout.splitlines()
 
     (ck / "latest").write_text("iter_0000003\n")
     result = run_launch("tracking=off", f"checkpoint.load={ck}", f"job_dir={tmp_path / 'third'}", "train.warmup_steps=1")

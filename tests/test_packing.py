@@ -206,3 +206,35 @@ def test_plan_prints_the_documents_and_the_schedule(run_launch):
     counts = {int(k): int(n.replace(",", "")) for k, n in re.findall(r"CP (\d+) x ([\d,]+)", line)}
     assert set(counts) == {1, 2, 4} and counts[1] > counts[2] > 0
     assert "Megatron-FSDP" not in out + result.stderr
+
+
+def test_a_steps_flops_follow_its_documents_context(compose):
+    """Packed rows: attention FLOPs per token are those of the step's mean context, so a row
+    of short documents counts fewer FLOPs than one document filling the row."""
+    from gridwright.planning.model_math import flops_record, model_flops_per_token
+    from gridwright.runtime.step_metrics import StepMetrics
+
+    cfg = compose("+experiment=bench_gpu", "data.packing=true", "launcher=plan")
+    plan = {**flops_record(cfg), "tokens_per_step": 16 * 4096}
+    metrics = StepMetrics(plan, 1, on_cuda=False)
+    whole = metrics.derive({"step_time_s": 1.0, "attention_context": 4096})
+    short = metrics.derive({"step_time_s": 1.0, "attention_context": 512})
+    assert whole["tflops_per_gpu"] == pytest.approx(16 * 4096 * model_flops_per_token(cfg.model, 4096) / 1e12)
+    assert short["tflops_per_gpu"] == pytest.approx(16 * 4096 * model_flops_per_token(cfg.model, 512) / 1e12)
+    assert short["mfu"] < whole["mfu"] and short["mfu_palm"] < whole["mfu_palm"]
+
+
+def test_dynamic_cp_summary_and_headline_metrics():
+    from gridwright.runtime.worker import dynamic_cp_summary
+    from gridwright.tracking.headline import run_metrics, step_metrics
+
+    rows = [{"cp_groups": 3.0, "cp_schedule_ms": 1.0, "cp_barrier_ms": 5.0, "cp_imbalance_estimated": 1.02,
+             "cp_straggler": 1.10, "cp_size_1_documents": 20.0, "cp_size_2_documents": 2.0},
+            {"cp_groups": 1.0, "cp_schedule_ms": 3.0, "cp_barrier_ms": 1.0, "cp_imbalance_estimated": 1.04,
+             "cp_straggler": 1.30, "cp_size_1_documents": 22.0, "cp_size_4_documents": 1.0}]
+    d = dynamic_cp_summary(rows)
+    assert d["documents_by_cp_size"] == {"1": 42, "2": 2, "4": 1}
+    assert d["straggler"] == pytest.approx(1.2) and d["swap_ms"] == pytest.approx(5.0)
+    assert run_metrics({"dynamic_cp": d}, {}) == {"cp_straggler": 1.2, "cp_imbalance_estimated": 1.03,
+                                                   "cp_swap_ms": 5.0}
+    assert step_metrics(rows[0])["cp_barrier_ms"] == 5.0

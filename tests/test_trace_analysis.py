@@ -96,6 +96,20 @@ def test_the_default_group_beside_megatrons_groups_stays_the_world(tmp_path):
     assert groups["dp"]["calls"] == 1 and groups["world"]["calls"] == 1
 
 
+def test_dynamic_cp_groups_are_reported_by_their_size(tmp_path):
+    """Dynamic context parallelism runs documents on Megatron-Core's hybrid groups (and
+    gridwright's own for every rank): their traffic is `cp<k>`, apart from the gradient
+    reduction over the same ranks, and the per-rank compute imbalance is max/mean."""
+    r0 = [_kernel(0, 12), _comm(12, 4, desc="HYBRID_DP_CP_GROUP_2"), _comm(20, 6)]
+    r1 = [_kernel(0, 8), _comm(12, 4, desc="HYBRID_DP_CP_GROUP_2"), _comm(20, 6)]
+    doc = analyze(_write_job(tmp_path, {0: r0, 1: r1}))
+    groups = doc["ranks"]["0"]["7"]["by_group"]
+    assert set(groups) == {"cp2", "dp"} and groups["cp2"]["calls"] == 1 and groups["cp2"]["exposed_s"] > 0
+    assert doc["unknown_groups"] == []
+    assert doc["compute_imbalance"] == pytest.approx(12 / 10)
+    assert summary_of(doc)["compute_imbalance"] == pytest.approx(1.2)
+
+
 def test_host_wait_is_the_idle_time_before_the_next_launch(tmp_path):
     # rank 0: kernel A [0,10) launched at -3; kernel B [20,30) launched at 16: the GPU idled
     # [10,20) and nothing was queued until 16 -> 6 us host wait. Kernel C [34,38) was launched

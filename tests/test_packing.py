@@ -238,3 +238,27 @@ def test_dynamic_cp_summary_and_headline_metrics():
     assert run_metrics({"dynamic_cp": d}, {}) == {"cp_straggler": 1.2, "cp_imbalance_estimated": 1.03,
                                                    "cp_swap_ms": 5.0}
     assert step_metrics(rows[0])["cp_barrier_ms"] == 5.0
+
+
+@pytest.mark.slow
+def test_dynamic_cp_resumes_exactly(run_launch, tmp_path, one_process):
+    """Saved after step 2 of 4 under dynamic CP, resumed: steps 2-3 are those of one
+    uninterrupted process (the documents of a step follow from the step alone)."""
+    import shutil
+
+    dynamic = LAYOUTS["dynamic_dp4_gridwright"]
+    ck = tmp_path / "ck"
+    first = run_launch("tracking=off", f"job_dir={tmp_path / 'first'}", *PACKED, *dynamic, f"checkpoint.save={ck}",
+                       "checkpoint.save_interval=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    halfway = tmp_path / "halfway"  # the root as it was after step 2
+    halfway.mkdir()
+    shutil.copytree(ck / "iter_0000002", halfway / "iter_0000002")
+    (halfway / "latest").write_text("iter_0000002\n")
+    resumed = run_launch("tracking=off", f"job_dir={tmp_path / 'second'}", *PACKED, *dynamic,
+                         f"checkpoint.load={halfway}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    history = _history(tmp_path / "second")
+    assert [h["step"] for h in history] == [2, 3]
+    for ours, ref in zip(history, one_process[2:]):
+        assert abs(ours["loss"] - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (ours["step"], ours["loss"], ref["loss"])

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..data.packing import histogram, pack, padded_length
+from ..data.packing import histogram, pack
 from .cp_schedulers import aligned, flops_cost, make_scheduler
 from .torch_attention import thd_params
 
@@ -169,11 +169,6 @@ def _elapsed(started: float, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
-
-
-def padded_tokens(lengths: list[int], cp_size: dict[int, int]) -> int:
-    """Tokens after each document is padded to a multiple of 2·its CP size."""
-    return sum(padded_length(n, 2 * cp_size[i]) if cp_size[i] > 1 else n for i, n in enumerate(lengths))
 
 
 PREVIEW_STEPS = 20

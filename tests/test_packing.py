@@ -127,9 +127,10 @@ LAYOUTS = {
     "cp2": ["parallel.cp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sp=true"],
     "dynamic_dp4": ["cluster.gpus_per_node=4", "parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=64"],
-    "dynamic_dp4_gridwright": ["cluster.gpus_per_node=4", "parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=64",
-                               "parallel.cp_scheduler=gridwright"],
 }
+# gridwright's scheduler: its run is the first half of test_dynamic_cp_resumes_exactly
+GRIDWRIGHT_DP4 = ["cluster.gpus_per_node=4", "parallel.cp_mode=dynamic", "parallel.max_seqlen_per_rank=64",
+                  "parallel.cp_scheduler=gridwright"]
 PACKED = ["data.packing=true", "train.seq_length=256", "train.global_batch_size=4", "train.micro_batch_size=1",
           "train.steps=4", "train.warmup_steps=1", "data.doc_lengths.median=40", "data.doc_lengths.min=4"]
 
@@ -148,17 +149,21 @@ def one_process(tmp_path_factory):
     return _history(tmp / "job")
 
 
+def _matches(history: list[dict], reference: list[dict], name: str) -> None:
+    assert len(history) == len(reference) == 4
+    for ours, ref in zip(history, reference):
+        for key in ("loss", "grad_norm"):
+            assert abs(ours[key] - ref[key]) <= 1e-4 * abs(ref[key]), (name, ours["step"], key, ours[key], ref[key])
+    assert history[-1]["loss"] < history[0]["loss"] - 0.1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_packed_training_matches_one_process(run_launch, tmp_path, one_process, name):
     result = run_launch("tracking=off", f"job_dir={tmp_path / 'job'}", *PACKED, *LAYOUTS[name])
     assert result.returncode == 0, result.stderr[-3000:]
     history = _history(tmp_path / "job")
-    assert len(history) == len(one_process) == 4
-    for ours, ref in zip(history, one_process):
-        for key in ("loss", "grad_norm"):
-            assert abs(ours[key] - ref[key]) <= 1e-4 * abs(ref[key]), (name, ours["step"], key, ours[key], ref[key])
-    assert history[-1]["loss"] < history[0]["loss"] - 0.1
+    _matches(history, one_process, name)
     if name.startswith("dynamic"):
         summary = json.loads((tmp_path / "job" / "summary.json").read_text())["dynamic_cp"]
         assert set(summary["documents_by_cp_size"]) == {"1", "2", "4"}  # every group size was used
@@ -242,15 +247,19 @@ def test_dynamic_cp_summary_and_headline_metrics():
 
 @pytest.mark.slow
 def test_dynamic_cp_resumes_exactly(run_launch, tmp_path, one_process):
-    """Saved after step 2 of 4 under dynamic CP, resumed: steps 2-3 are those of one
-    uninterrupted process (the documents of a step follow from the step alone)."""
+    """Dynamic CP under gridwright's scheduler matches one process, and, saved after step 2
+    of 4 and resumed, gives steps 2-3 of one uninterrupted process again (the documents of
+    a step follow from the step alone)."""
     import shutil
 
-    dynamic = LAYOUTS["dynamic_dp4_gridwright"]
+    dynamic = GRIDWRIGHT_DP4
     ck = tmp_path / "ck"
     first = run_launch("tracking=off", f"job_dir={tmp_path / 'first'}", *PACKED, *dynamic, f"checkpoint.save={ck}",
                        "checkpoint.save_interval=2")
     assert first.returncode == 0, first.stderr[-3000:]
+    _matches(_history(tmp_path / "first"), one_process, "dynamic_dp4_gridwright")
+    summary = json.loads((tmp_path / "first" / "summary.json").read_text())["dynamic_cp"]
+    assert summary["groups_per_step"] == 1.0 and summary["barrier_ms"] == 0.0  # one group: no barriers
     halfway = tmp_path / "halfway"  # the root as it was after step 2
     halfway.mkdir()
     shutil.copytree(ck / "iter_0000002", halfway / "iter_0000002")

@@ -142,42 +142,30 @@ ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
 VARLEN_BASE = ["+experiment=bench_gpu", "data.packing=true", "train.seq_length=32768",
                "model.max_position_embeddings=32768", "train.micro_batch_size=1",
                "data.doc_lengths.median=1024", "data.doc_lengths.sigma=1.5", "train.steps=14"]
-DYNAMIC = ["parallel.cp_mode=dynamic"]
-VARLEN_4 = VARLEN_BASE + ["cluster=h100_x4", "train.global_batch_size=8"]
-VARLEN_2 = VARLEN_BASE + ["cluster=h100_x2", "train.global_batch_size=4"]
 # The Llama-3-8B shape (16 layers), where a rank cannot hold a whole 32k row (DP is refused
 # by the memory check) and static layouts need CP for every document.
 LLAMA_16L = ["model=llama3_8b", "model.num_layers=16", "train.steps=12"]
-VARLEN = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
-    "varlen_cp4": (4, VARLEN_4 + ["parallel.cp=4"]),
-    "varlen_cp2_dp2": (4, VARLEN_4 + ["parallel.cp=2"]),
-    "varlen_dp4": (4, VARLEN_4),
-    "varlen_dynamic": (4, VARLEN_4 + DYNAMIC + ["parallel.max_seqlen_per_rank=8192"]),
-    "varlen_dynamic_gridwright": (4, VARLEN_4 + DYNAMIC + ["parallel.max_seqlen_per_rank=8192",
-                                                          "parallel.cp_scheduler=gridwright"]),
-    "varlen_dynamic_32k_gridwright": (4, VARLEN_4 + DYNAMIC + ["parallel.max_seqlen_per_rank=32768",
-                                                              "parallel.cp_scheduler=gridwright"]),
-    "varlen_8b16l_cp4": (4, VARLEN_4 + LLAMA_16L + ["parallel.cp=4"]),
-    "varlen_8b16l_cp2_dp2": (4, VARLEN_4 + LLAMA_16L + ["parallel.cp=2"]),
-    "varlen_8b16l_dp4": (4, VARLEN_4 + LLAMA_16L),
-    "varlen_8b16l_dynamic": (4, VARLEN_4 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=8192"]),
-    "varlen_8b16l_dynamic_gridwright": (4, VARLEN_4 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=8192",
-                                                                            "parallel.cp_scheduler=gridwright"]),
-}.items()}
-VARLEN_2GPU = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
-    "varlen2_cp2": (2, VARLEN_2 + ["parallel.cp=2"]),
-    "varlen2_dp2": (2, VARLEN_2),
-    "varlen2_dynamic": (2, VARLEN_2 + DYNAMIC + ["parallel.max_seqlen_per_rank=16384"]),
-    "varlen2_dynamic_gridwright": (2, VARLEN_2 + DYNAMIC + ["parallel.max_seqlen_per_rank=16384",
-                                                           "parallel.cp_scheduler=gridwright"]),
-    "varlen2_dynamic_32k_gridwright": (2, VARLEN_2 + DYNAMIC + ["parallel.max_seqlen_per_rank=32768",
-                                                               "parallel.cp_scheduler=gridwright"]),
-    "varlen2_8b16l_cp2": (2, VARLEN_2 + LLAMA_16L + ["parallel.cp=2"]),
-    "varlen2_8b16l_dp2": (2, VARLEN_2 + LLAMA_16L),
-    "varlen2_8b16l_dynamic": (2, VARLEN_2 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=16384"]),
-    "varlen2_8b16l_dynamic_gridwright": (2, VARLEN_2 + LLAMA_16L + DYNAMIC + ["parallel.max_seqlen_per_rank=16384",
-                                                                             "parallel.cp_scheduler=gridwright"]),
-}.items()}
+
+
+def varlen_suite(gpus: int, prefix: str) -> dict:
+    """The varlen cases on `gpus` GPUs (two rows a GPU each step): static CP over every GPU,
+    CP=2 x DP=2 on 4, DP over every GPU, and dynamic CP with a row split over every GPU at
+    most, under both schedulers, then with a whole row per rank; the same on the 8B shape,
+    but for the whole-row case."""
+    base = VARLEN_BASE + [f"cluster=h100_x{gpus}", f"train.global_batch_size={2 * gpus}"]
+    split = [f"parallel.max_seqlen_per_rank={32768 // gpus}"]
+    gridwright = ["parallel.cp_scheduler=gridwright"]
+    dynamic = ["parallel.cp_mode=dynamic"]
+    layouts = {f"cp{gpus}": [f"parallel.cp={gpus}"], **({"cp2_dp2": ["parallel.cp=2"]} if gpus == 4 else {}),
+               f"dp{gpus}": [], "dynamic": dynamic + split, "dynamic_gridwright": dynamic + split + gridwright}
+    whole_row = {"dynamic_32k_gridwright": dynamic + ["parallel.max_seqlen_per_rank=32768"] + gridwright}
+    cases = {f"{prefix}_{name}": base + extra for name, extra in {**layouts, **whole_row}.items()}
+    cases |= {f"{prefix}_8b16l_{name}": base + LLAMA_16L + extra for name, extra in layouts.items()}
+    return {name: (gpus, overrides + TRACED) for name, overrides in cases.items()}
+
+
+VARLEN = varlen_suite(4, "varlen")
+VARLEN_2GPU = varlen_suite(2, "varlen2")
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
           "varlen_2gpu": VARLEN_2GPU, "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU}}
 

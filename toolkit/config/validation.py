@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from ..families.hf_config import family_problems
 from ..engines.registry import is_known, rules
 from ..families.registry import FAMILIES
-from ..planning.layout import ParallelLayout
+from ..planning.layout import ParallelLayout, max_seqlen_per_rank
 from .schema import declared_choices
 from ..planning.machine_probe import host_memory_bytes, probe
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
@@ -372,7 +372,7 @@ def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[
                    f"hybrid CP groups of 2, 4, 8 ... ranks: parallel_state.create_hybrid_dp_cp_groups); DP is "
                    f"{ranks}. Fix: parallel.cp_mode=static, or a world size whose DP is a power of two.")
     longest = min(lengths.cap or train.seq_length, train.seq_length)
-    per_rank = parallel.max_seqlen_per_rank or max(1, train.seq_length // max(1, ranks))
+    per_rank = max_seqlen_per_rank(parallel, train.seq_length, ranks)
     if per_rank < 1:
         out.append(f"parallel.max_seqlen_per_rank={per_rank} must be at least 1. Fix: parallel.max_seqlen_per_rank=null.")
     elif longest > per_rank * ranks:

@@ -112,6 +112,13 @@ def pack(docs: list[Document], multiple: int = 1, device=None) -> dict:
     }
 
 
+def mean_context(lengths) -> float:
+    """The mean context a token of documents of these lengths attends over: sum of length²
+    / sum of length (a row of one document: its length; of many short ones: far less)."""
+    lengths = list(lengths)
+    return sum(n * n for n in lengths) / sum(lengths)
+
+
 def histogram(values) -> dict[int, int]:
     """{value: count}, sorted by value."""
     out: dict[int, int] = {}

@@ -32,7 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..data.packing import histogram, pack
+from ..data.packing import histogram, mean_context, pack
+from ..planning.layout import max_seqlen_per_rank
 from .cp_schedulers import aligned, flops_cost, make_scheduler
 from .torch_attention import thd_params
 
@@ -49,9 +50,8 @@ def document_cost(cfg):
 
 def scheduler_for(cfg, ranks: int):
     """The run's scheduler (parallel.cp_scheduler) over `ranks` DP ranks."""
-    p = cfg.parallel
-    per_rank = p.max_seqlen_per_rank or max(1, cfg.train.seq_length // ranks)
-    return make_scheduler(p.cp_scheduler, per_rank, ranks, document_cost(cfg))
+    per_rank = max_seqlen_per_rank(cfg.parallel, cfg.train.seq_length, ranks)
+    return make_scheduler(cfg.parallel.cp_scheduler, per_rank, ranks, document_cost(cfg))
 
 
 class DynamicContextParallel:
@@ -107,7 +107,8 @@ class DynamicContextParallel:
                 started = time.perf_counter()
                 dist.barrier(group=self.group)
                 barrier += time.perf_counter() - started
-        return {"loss_sum": loss_sum, "tokens": tokens, "plan": plan, "busy_s": busy, "barrier_s": barrier}
+        return {"loss_sum": loss_sum, "tokens": tokens, "plan": plan, "busy_s": busy, "barrier_s": barrier,
+                "attention_context": mean_context(len(d) for d in docs)}
 
     def _forward_backward(self, model, config, docs: list, k: int, forward_only: bool):
         """One forward (and backward) of one document over its CP group of k ranks (sbhd,
@@ -146,6 +147,7 @@ class DynamicContextParallel:
             "cp_schedule_ms": plan.seconds * 1e3,
             "cp_barrier_ms": result["barrier_s"] * 1e3,
             "cp_imbalance_estimated": plan.imbalance,
+            "attention_context": result["attention_context"],
             "cp_straggler": max(busy_s) / mean if mean else 1.0,
             **{f"cp_size_{k}_documents": float(n) for k, n in sizes.items()},
         }
@@ -187,7 +189,7 @@ def preview_lines(cfg, layout, job_dir) -> list[str]:
     source = make_source(cfg.data, cfg.train, cfg.model, Path(job_dir) / "data_cache")
     batches = [[len(d) for d in source.global_documents("train", s)] for s in range(steps)]
     every = [n for b in batches for n in b]
-    context = sum(n * n for n in every) / sum(every)
+    context = mean_context(every)
     lines = [f"documents   steps 0-{steps - 1}: {len(every):,} documents of {min(every):,} to {max(every):,} tokens "
              f"(median {statistics.median(every):,.0f}); mean context {context:,.0f} of {cfg.train.seq_length:,} tokens"]
     if cfg.parallel.cp_mode != "dynamic":
@@ -195,7 +197,7 @@ def preview_lines(cfg, layout, job_dir) -> list[str]:
     ranks = layout.dp * layout.cp
     scheduler = scheduler_for(cfg, ranks)
     per_rank = scheduler.max_seqlen
-    sizes = [2 ** i for i in range(1, ranks.bit_length()) if 2 ** i <= ranks]
+    sizes = [2 ** i for i in range(1, ranks.bit_length())]  # Megatron-Core's hybrid groups, and all ranks
     groups = "; ".join(f"of {k}: " + " ".join(str(list(range(j, j + k))) for j in range(0, ranks, k)) for k in sizes)
     lines.append(f"dynamic CP  at most {per_rank:,} tokens of a document per rank; CP groups (DP ranks) {groups or 'none'}")
     plans = [scheduler.schedule(b) for b in batches]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.data_source import make_source
+from ..data.packing import mean_context
 from ..planning.layout import ParallelLayout
 from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
@@ -249,8 +250,9 @@ class MegatronTrainer:
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
-        if self.cfg.data.packing and self.is_logging_rank:  # the step's FLOPs (step_metrics)
-            facts["attention_context"] = attention_context(self.data.global_documents("train", step))
+        if self.cfg.data.packing and self.is_logging_rank and "attention_context" not in facts:
+            # the step's FLOPs (step_metrics); dynamic CP reports it from the documents it ran
+            facts["attention_context"] = mean_context(len(d) for d in self.data.global_documents("train", step))
         return {
             **facts,
             "loss": self._mean_loss(losses),
@@ -281,13 +283,6 @@ class MegatronTrainer:
 
     def save(self, step: int, root):
         return megatron_checkpoint.save(self, step, root)
-
-
-def attention_context(docs) -> float:
-    """The mean context a token of these documents attends over: sum of length² / sum of
-    length (a row of one document: its length; of many short ones: far less)."""
-    lengths = [len(d) for d in docs]
-    return sum(n * n for n in lengths) / sum(lengths)
 
 
 def packing_multiple(layout: ParallelLayout) -> int:

@@ -205,3 +205,9 @@ class ParallelLayout:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def max_seqlen_per_rank(parallel, seq_length: int, ranks: int) -> int:
+    """Dynamic CP: the most tokens of one document a rank holds at once
+    (`parallel.max_seqlen_per_rank`; None: the row split over the `ranks` DP ranks)."""
+    return parallel.max_seqlen_per_rank or max(1, seq_length // max(1, ranks))

@@ -99,7 +99,8 @@ def readable(name: str, value: float) -> float:
     """The value rounded to what a table cell shows and a comparison needs (MLflow prints
     every digit it holds: 29.48949... in a column 8 characters wide); summary.json keeps
     the exact one."""
-    places = 4 if name == "final_loss" or name.startswith("cp_i") or name == "cp_straggler" else 3 if name.endswith("_gib") else 1 if name == "tok_s_gpu" else 2
+    ratios = ("final_loss", "cp_straggler", "cp_imbalance_estimated")
+    places = 4 if name in ratios else 3 if name.endswith("_gib") else 1 if name == "tok_s_gpu" else 2
     return round(value, places)
 
 

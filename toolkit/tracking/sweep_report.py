@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..atomic_io import write_text_atomic
 from ..runtime.jobdir import PLAN_FILE, SUMMARY_FILE, read_json
-from .headline import mfu_both, readable
+from .headline import mfu_both, run_metrics
 
 COMPARISON_MD = "comparison.md"
 COMPARISON_CSV = "comparison.csv"
@@ -100,6 +100,7 @@ def point_row(sweep_dir: Path, record, point: dict) -> dict:
         "idle_ms": _ms(comm.get("idle_s")),
         "final_loss": _num(summary.get("last_loss")),
         "error": point.get("error", ""),
+        "headline": run_metrics(summary, plan),  # what the point's own MLflow run shows
     }
 
 
@@ -120,15 +121,7 @@ class SweepReport:
     def best_metrics(self) -> dict[str, float]:
         """The best point's headline metrics (gridwright.tracking.headline names): the
         parent run's row in the runs table shows them."""
-        if not self.best:
-            return {}
-        b = self.best
-        values = {"tok_s_gpu": b["tokens_per_s_per_gpu"], "mfu_megatron_pct": _scaled(b["mfu"], 100),
-                  "mfu_palm_pct": _scaled(b["mfu_palm"], 100), "step_ms": b["step_time_ms"],
-                  "exposed_comm_ms": b["exposed_comm_ms"], "peak_mem_gib": b["memory_peak_gib"],
-                  "final_loss": b["final_loss"],
-                  **{f"exposed_{g}_ms": ms for g, ms in b["exposed_ms"].items()}}
-        return {k: readable(k, v) for k, v in values.items() if v is not None}
+        return dict(self.best["headline"]) if self.best else {}
 
     def terminal_lines(self) -> list[str]:
         """The end-of-sweep table: one line per point, the numbers of the comparison."""
@@ -144,10 +137,6 @@ class SweepReport:
             if r["error"]:
                 lines.append(f"      {r['error'][:150]}")
         return lines
-
-
-def _scaled(value, scale: float):
-    return None if value is None else value * scale
 
 
 def groups_of(rows: list[dict]) -> list[str]:

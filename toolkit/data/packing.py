@@ -101,7 +101,7 @@ def pack(docs: list[Document], multiple: int = 1, device=None) -> dict:
         positions[at:at + p] = np.arange(p)
         at += p
     cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
-    as_tensor = lambda a: torch.from_numpy(a).unsqueeze(0).to(device)  # noqa: E731
+    as_tensor = lambda a: to_device(torch.from_numpy(a).unsqueeze(0), device)  # noqa: E731
     return {
         "tokens": as_tensor(tokens),
         "labels": as_tensor(labels),
@@ -110,6 +110,21 @@ def pack(docs: list[Document], multiple: int = 1, device=None) -> dict:
         "cu_seqlens": torch.from_numpy(cu),  # on the host (torch_attention.thd_params)
         "max_seqlen": max(padded),
     }
+
+
+def to_device(tensor, device):
+    """A host tensor on `device`, queued behind the GPU's work instead of waiting for it.
+    A copy from pageable memory synchronizes the stream: the host waits for every kernel
+    launched before it, and the GPU then idles while the next forward is launched (once per
+    forward under dynamic CP, which runs several a step). From pinned memory the copy is
+    asynchronous."""
+    import torch
+
+    if device is None:
+        return tensor
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def mean_context(lengths) -> float:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..data.packing import to_device
+
 
 class _GatherSequence(torch.autograd.Function):
     """All-gather along a CP group; the backward sums every rank's gradient and keeps
@@ -117,7 +119,7 @@ def thd_params(cu_seqlens, longest: int, device):
     cu = cu_seqlens.to("cpu", torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
-    params.cu_seqlens_device = cu.to(device, non_blocking=True)
+    params.cu_seqlens_device = to_device(cu, device)
     return params
 
 
@@ -137,9 +139,9 @@ def prefix_attention(q, k, v, q_lens: list[int], k_lens: list[int], cu_q=None, c
         if k.shape[1] != q.shape[1] and "enable_gqa" not in causal:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
         if cu_q is None:
-            cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32).to(q.device, non_blocking=True)
+            cu_q = to_device(torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32), q.device)
         if cu_k is None:
-            cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32).to(q.device, non_blocking=True)
+            cu_k = to_device(torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32), q.device)
         return kernel(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), scale=scale, **causal)
     outs, at_q, at_k = [], 0, 0
     for n, m in zip(q_lens, k_lens):
@@ -198,7 +200,7 @@ def _cp_plan(bounds: list[int], rank: int, size: int, device):
             rows.append(order[:(chunk + 1) * half])
             q_lens.append(half)
             k_lens.append((chunk + 1) * half)
-    index = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
-    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).to(device)  # noqa: E731
+    index = to_device(torch.from_numpy(np.concatenate(rows)), device)
+    cu = lambda lens: to_device(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32), device)  # noqa: E731
     on_cuda = torch.device(device).type == "cuda"
     return index, q_lens, k_lens, cu(q_lens) if on_cuda else None, cu(k_lens) if on_cuda else None

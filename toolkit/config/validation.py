@@ -328,7 +328,7 @@ def check_context_parallel(train, layout: ParallelLayout, model) -> list[str]:
     return []
 
 
-def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[str]:
+def check_packing(data, parallel, train, model, engine, zero, layout: ParallelLayout) -> list[str]:
     """Packed documents (data.packing) and dynamic context parallelism (parallel.cp_mode):
     what gridwright's packed path and Megatron-Core 0.16.1's hybrid groups support."""
     out, dynamic = [], parallel.cp_mode == "dynamic"
@@ -366,6 +366,16 @@ def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[
     if layout.tp > 1:
         out.append(f"parallel.cp_mode=dynamic with parallel.tp={layout.tp}: not built (each TP rank would have to "
                    "see the same documents in the same order; untested). Fix: parallel.tp=1.")
+    overlapped = engine.name == "megatron" and (engine.overlap_grad_reduce or zero.stage == 3)
+    if overlapped:
+        # Checked on 4 CPU ranks: with the overlap, the gradient norm differed from step 1 on.
+        what = "zero.stage=3 (Megatron-FSDP, whose reduction always overlaps)" if zero.stage == 3 else \
+            "engine.overlap_grad_reduce=true"
+        out.append(f"parallel.cp_mode=dynamic with {what}: Megatron-Core starts an overlapped gradient "
+                   "reduction once every parameter has had as many gradients as on the first step, and under "
+                   "dynamic CP a rank runs a different number of forwards each step, so the reduction would "
+                   "start too early (wrong gradients) or never. Fix: "
+                   f"{'zero.stage=1' if zero.stage == 3 else 'engine.overlap_grad_reduce=false'}.")
     ranks = layout.dp * layout.cp
     if ranks & (ranks - 1):
         out.append(f"parallel.cp_mode=dynamic needs a power-of-two number of DP ranks (Megatron-Core builds its "
@@ -963,7 +973,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
         problems += check_model_split(cfg.model, cfg.train, layout)
         problems += check_context_parallel(cfg.train, layout, cfg.model)
         problems += check_batch(cfg.train, layout)
-        problems += check_packing(cfg.data, cfg.parallel, cfg.train, cfg.model, layout)
+        problems += check_packing(cfg.data, cfg.parallel, cfg.train, cfg.model, cfg.engine, cfg.zero, layout)
         problems += check_engine(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)

@@ -86,6 +86,13 @@ REFUSALS = {
                                  ["cluster.nodes=4", "parallel.tp=8", "parallel.sp=true", "parallel.pp=2"], 1),
     "moe_memory": (["+experiment=mixtral_ep8", "launcher=plan", "parallel.ep=4", "model.num_layers=32"],
                    ["cluster.nodes=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2"], 1),
+    # dynamic CP: neither a whole 32k row per rank nor half of one fits the 8B shape on an H100; a quarter
+    # does, which the Fix names before recompute
+    "dynamic_cp_row_share": (["+experiment=bench_gpu", "model=llama3_8b", "model.num_layers=16", "cluster=h100_x4",
+                              "launcher=plan", "data.packing=true", "parallel.cp_mode=dynamic",
+                              "train.seq_length=32768", "model.max_position_embeddings=32768",
+                              "train.micro_batch_size=1", "train.global_batch_size=8"],
+                             ["parallel.max_seqlen_per_rank=8192"], 1),
     # host memory of a CPU launch
     "host_memory_dense": (["model=llama3_8b"], ["model=tiny_llama"], 1),
     "host_memory_layout": (["model=bench_1b"], ["parallel.tp=2", "parallel.sp=true"], 1),

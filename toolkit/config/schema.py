@@ -158,7 +158,8 @@ class ParallelConfig:
     cp_mode: str = choice("static", CpMode)
     # dynamic: the most tokens of one document a rank holds at once (Megatron-Core's
     # max_seqlen_per_dp_cp_rank); a longer document is split over 2, 4 ... ranks.
-    # None: train.seq_length // DP.
+    # None: train.seq_length (a document is split only where memory requires it; on a GPU
+    # cluster the memory check names the largest share that fits).
     max_seqlen_per_rank: Optional[int] = None
     # dynamic: who deals the documents to the ranks (gridwright.engines.cp_schedulers)
     cp_scheduler: str = choice("megatron", CpScheduler)

@@ -328,7 +328,7 @@ def check_context_parallel(train, layout: ParallelLayout, model) -> list[str]:
     return []
 
 
-def check_packing(data, parallel, train, model, engine, zero, layout: ParallelLayout) -> list[str]:
+def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[str]:
     """Packed documents (data.packing) and dynamic context parallelism (parallel.cp_mode):
     what gridwright's packed path and Megatron-Core 0.16.1's hybrid groups support."""
     out, dynamic = [], parallel.cp_mode == "dynamic"
@@ -366,23 +366,13 @@ def check_packing(data, parallel, train, model, engine, zero, layout: ParallelLa
     if layout.tp > 1:
         out.append(f"parallel.cp_mode=dynamic with parallel.tp={layout.tp}: not built (each TP rank would have to "
                    "see the same documents in the same order; untested). Fix: parallel.tp=1.")
-    overlapped = engine.name == "megatron" and (engine.overlap_grad_reduce or zero.stage == 3)
-    if overlapped:
-        # Checked on 4 CPU ranks: with the overlap, the gradient norm differed from step 1 on.
-        what = "zero.stage=3 (Megatron-FSDP, whose reduction always overlaps)" if zero.stage == 3 else \
-            "engine.overlap_grad_reduce=true"
-        out.append(f"parallel.cp_mode=dynamic with {what}: Megatron-Core starts an overlapped gradient "
-                   "reduction once every parameter has had as many gradients as on the first step, and under "
-                   "dynamic CP a rank runs a different number of forwards each step, so the reduction would "
-                   "start too early (wrong gradients) or never. Fix: "
-                   f"{'zero.stage=1' if zero.stage == 3 else 'engine.overlap_grad_reduce=false'}.")
     ranks = layout.dp * layout.cp
     if ranks & (ranks - 1):
         out.append(f"parallel.cp_mode=dynamic needs a power-of-two number of DP ranks (Megatron-Core builds its "
                    f"hybrid CP groups of 2, 4, 8 ... ranks: parallel_state.create_hybrid_dp_cp_groups); DP is "
                    f"{ranks}. Fix: parallel.cp_mode=static, or a world size whose DP is a power of two.")
     longest = min(lengths.cap or train.seq_length, train.seq_length)
-    per_rank = max_seqlen_per_rank(parallel, train.seq_length, ranks)
+    per_rank = max_seqlen_per_rank(parallel, train.seq_length)
     if per_rank < 1:
         out.append(f"parallel.max_seqlen_per_rank={per_rank} must be at least 1. Fix: parallel.max_seqlen_per_rank=null.")
     elif longest > per_rank * ranks:
@@ -867,6 +857,9 @@ def _memory_fix(cfg, fits, more_nodes: bool) -> dict | None:
     """The least change under which `fits(config, layout)` holds and every layout and engine
     rule passes: full recompute, the distributed optimizer, micro-batch 1 (the fewest of these),
     on the current layout, then on more TP or PP, then (GPU clusters) on more nodes."""
+    share = _rank_share_fix(cfg, fits)
+    if share:
+        return share
     levers = [(k, v) for k, v, unset in (
         ("train.recompute", "full", cfg.train.recompute != "full"),
         ("zero.stage", 1, cfg.zero.stage == 0),
@@ -878,6 +871,23 @@ def _memory_fix(cfg, fits, more_nodes: bool) -> dict | None:
         for subset in subsets:
             if (layout_change or subset) and _fits_with(cfg, layout_change | subset, fits):
                 return subset | layout_change
+    return None
+
+
+def _rank_share_fix(cfg, fits) -> dict | None:
+    """Dynamic CP: the largest share of a row a rank holds (half a row, a quarter ...) under
+    which it fits, tried before any lever that costs compute or adds GPUs; the longer
+    documents are then split over more ranks. None: not dynamic CP, or no share fits."""
+    if cfg.parallel.cp_mode != "dynamic" or not cfg.data.packing:
+        return None
+    layout = ParallelLayout.from_config(cfg)
+    ranks, seq = layout.dp * layout.cp, cfg.train.seq_length
+    longest = min(cfg.data.doc_lengths.cap or seq, seq)
+    share = max_seqlen_per_rank(cfg.parallel, seq) // 2
+    while share >= 1 and share * ranks >= longest:
+        if _fits_with(cfg, {"parallel.max_seqlen_per_rank": share}, fits):
+            return {"parallel.max_seqlen_per_rank": share}
+        share //= 2
     return None
 
 
@@ -973,7 +983,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
         problems += check_model_split(cfg.model, cfg.train, layout)
         problems += check_context_parallel(cfg.train, layout, cfg.model)
         problems += check_batch(cfg.train, layout)
-        problems += check_packing(cfg.data, cfg.parallel, cfg.train, cfg.model, cfg.engine, cfg.zero, layout)
+        problems += check_packing(cfg.data, cfg.parallel, cfg.train, cfg.model, layout)
         problems += check_engine(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)

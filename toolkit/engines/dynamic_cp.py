@@ -50,7 +50,7 @@ def document_cost(cfg):
 
 def scheduler_for(cfg, ranks: int):
     """The run's scheduler (parallel.cp_scheduler) over `ranks` DP ranks."""
-    per_rank = max_seqlen_per_rank(cfg.parallel, cfg.train.seq_length, ranks)
+    per_rank = max_seqlen_per_rank(cfg.parallel, cfg.train.seq_length)
     return make_scheduler(cfg.parallel.cp_scheduler, per_rank, ranks, document_cost(cfg))
 
 

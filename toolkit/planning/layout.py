@@ -207,7 +207,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def max_seqlen_per_rank(parallel, seq_length: int, ranks: int) -> int:
+def max_seqlen_per_rank(parallel, seq_length: int) -> int:
     """Dynamic CP: the most tokens of one document a rank holds at once
-    (`parallel.max_seqlen_per_rank`; None: the row split over the `ranks` DP ranks)."""
-    return parallel.max_seqlen_per_rank or max(1, seq_length // max(1, ranks))
+    (`parallel.max_seqlen_per_rank`; None: a whole row, so that a document is split only
+    where memory requires it: validation's memory check names the share that fits)."""
+    return parallel.max_seqlen_per_rank or seq_length

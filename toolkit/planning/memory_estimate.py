@@ -113,7 +113,7 @@ def estimate_memory(cfg, layout: ParallelLayout, params: ParamCounts | None = No
     s = t.seq_length / layout.cp
     b, h = t.micro_batch_size, m.hidden_size
     if cfg.parallel.cp_mode == "dynamic":  # a forward holds at most this many tokens of documents
-        s, b = max_seqlen_per_rank(cfg.parallel, t.seq_length, layout.dp * layout.cp), 1
+        s, b = max_seqlen_per_rank(cfg.parallel, t.seq_length), 1
     sbh = s * b * h * act_bytes / 2.0  # the paper's constants assume 2-byte activations
     full_layer = 34 * sbh / tp if layout.sp else sbh * (10 + 24 / tp)
     if m.num_experts:

@@ -855,8 +855,9 @@ def _tiny_model_fix(cfg) -> dict | None:
 
 def _memory_fix(cfg, fits, more_nodes: bool) -> dict | None:
     """The least change under which `fits(config, layout)` holds and every layout and engine
-    rule passes: full recompute, the distributed optimizer, micro-batch 1 (the fewest of these),
-    on the current layout, then on more TP or PP, then (GPU clusters) on more nodes."""
+    rule passes: under dynamic CP a smaller share of a row per rank first; then full
+    recompute, the distributed optimizer, micro-batch 1 (the fewest of these), on the current
+    layout, then on more TP or PP, then (GPU clusters) on more nodes."""
     share = _rank_share_fix(cfg, fits)
     if share:
         return share

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .device_copy import to_device
+
 # Megatron-Core's .idx layout (megatron.core.datasets.indexed_dataset._IndexWriter): a
 # 9-byte magic, version 1 (<Q), the token dtype's code (<B), the sequence and document
 # counts (<Q each), then int32 sequence lengths and int64 byte pointers into the .bin.
@@ -133,7 +135,7 @@ class IndexedSource:
         for mb in range(num_micro):
             items = [dataset[base + mb * b + j] for j in range(b)]
             yield {
-                key: torch.stack([torch.as_tensor(it[key]) for it in items]).to(device)
+                key: to_device(torch.stack([torch.as_tensor(it[key]) for it in items]), device)
                 for key in ("tokens", "labels", "loss_mask", "position_ids")
             }
 

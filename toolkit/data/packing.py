@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .device_copy import to_device
+
 
 @dataclass(frozen=True)
 class Document:
@@ -110,21 +112,6 @@ def pack(docs: list[Document], multiple: int = 1, device=None) -> dict:
         "cu_seqlens": torch.from_numpy(cu),  # on the host (torch_attention.thd_params)
         "max_seqlen": max(padded),
     }
-
-
-def to_device(tensor, device):
-    """A host tensor on `device`, queued behind the GPU's work instead of waiting for it.
-    A copy from pageable memory synchronizes the stream: the host waits for every kernel
-    launched before it, and the GPU then idles while the next forward is launched (once per
-    forward under dynamic CP, which runs several a step). From pinned memory the copy is
-    asynchronous."""
-    import torch
-
-    if device is None:
-        return tensor
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def mean_context(lengths) -> float:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .device_copy import to_device
+
 
 def sample(index: int, seq_length: int, vocab_size: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed + index)
@@ -28,7 +30,7 @@ def micro_batches(step: int, dp_rank: int, dp_size: int, num_micro: int, micro_b
     for mb in range(num_micro):
         first = base + mb * micro_batch_size
         rows = np.stack([sample(first + j, seq_length, vocab_size, seed) for j in range(micro_batch_size)])
-        rows = torch.from_numpy(rows).to(device=device, dtype=torch.long)
+        rows = to_device(torch.from_numpy(rows).long(), device)
         yield {
             "tokens": rows[:, :-1].contiguous(),
             "labels": rows[:, 1:].contiguous(),

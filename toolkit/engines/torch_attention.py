@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data.packing import to_device
+from ..data.device_copy import to_device
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from ..families.hf_config import family_problems
 from ..engines.registry import is_known, rules
+from ..data.packing import longest_document
 from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout, max_seqlen_per_rank
 from .schema import declared_choices
@@ -371,7 +372,7 @@ def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[
         out.append(f"parallel.cp_mode=dynamic needs a power-of-two number of DP ranks (Megatron-Core builds its "
                    f"hybrid CP groups of 2, 4, 8 ... ranks: parallel_state.create_hybrid_dp_cp_groups); DP is "
                    f"{ranks}. Fix: parallel.cp_mode=static, or a world size whose DP is a power of two.")
-    longest = min(lengths.cap or train.seq_length, train.seq_length)
+    longest = longest_document(lengths, train.seq_length)
     per_rank = max_seqlen_per_rank(parallel, train.seq_length)
     if per_rank < 1:
         out.append(f"parallel.max_seqlen_per_rank={per_rank} must be at least 1. Fix: parallel.max_seqlen_per_rank=null.")
@@ -883,7 +884,7 @@ def _rank_share_fix(cfg, fits) -> dict | None:
         return None
     layout = ParallelLayout.from_config(cfg)
     ranks, seq = layout.dp * layout.cp, cfg.train.seq_length
-    longest = min(cfg.data.doc_lengths.cap or seq, seq)
+    longest = longest_document(cfg.data.doc_lengths, seq)
     share = max_seqlen_per_rank(cfg.parallel, seq) // 2
     while share >= 1 and share * ranks >= longest:
         if _fits_with(cfg, {"parallel.max_seqlen_per_rank": share}, fits):

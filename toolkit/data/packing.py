@@ -35,10 +35,16 @@ class Document:
         return len(self.tokens)
 
 
+def longest_document(lengths, seq_length: int) -> int:
+    """The longest document `lengths` (data.doc_lengths) can draw: its cap, and never more
+    than a row."""
+    return min(lengths.cap or seq_length, seq_length)
+
+
 def document_lengths(rng: np.random.Generator, lengths, seq_length: int) -> list[int]:
     """Lengths of the documents of one row, in order, summing to `seq_length`: drawn from
     `lengths` (data.doc_lengths) until the row is full; the last one is cut to fit."""
-    cap = min(lengths.cap or seq_length, seq_length)
+    cap = longest_document(lengths, seq_length)
     out, left = [], seq_length
     while left > 0:
         if lengths.distribution == "lognormal":

@@ -241,6 +241,8 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             last_loss=s["last_loss"],
             memory_max_allocated_gib=last.get("memory_max_allocated_gib"),
             layer_spec=s.get("layer_spec"),
+            attention=(s.get("attention") or {}).get("backend"),
+            attention_ms=(s.get("attention") or {}).get("ms"),
             compute_imbalance=comm.get("compute_imbalance"),
             dynamic_cp=s.get("dynamic_cp"),
             placement_verified=s.get("placement_verified"),
@@ -253,6 +255,11 @@ def _visible_device(index: int) -> str:
     """The index-th device this process sees, as CUDA_VISIBLE_DEVICES names it."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible.split(",")[index].strip() if visible else str(index)
+
+
+def _attention(row) -> str:
+    """The SDPA kernel the run chose, e.g. " (attention: cudnn)"."""
+    return f" (attention: {row['attention']})" if row.get("attention") else ""
 
 
 def _ms(seconds):
@@ -277,7 +284,8 @@ def table(rows: list[dict], card: str) -> str:
         "Exposed communication: NCCL time with no compute on the GPU; wait: NCCL time before the last member "
         "arrived (skew); idle: no GPU activity; host wait: the part of idle before the host had launched the "
         "next kernel (the step is host-bound there); kernels: GPU activities per step; all the mean of 2 traced "
-        "steps over ranks. Symmetric-memory copies and barriers (async TP) are not NCCL kernels and count as compute.",
+        "steps over ranks. Symmetric-memory copies and barriers (async TP) are not NCCL kernels and count as compute. "
+        "Attention: the SDPA kernel each run measured fastest at its start (engine.attention_backend=auto), or was told.",
         "",
         "| case | GPUs | layout | spec | tokens/s/GPU | MFU (megatron) | MFU (palm) | MFU megatron / bf16 peak "
         "| step s | comm ms | wait ms | exposed comm ms | " + "".join(f"exposed {g} ms | " for g in groups)
@@ -290,7 +298,8 @@ def table(rows: list[dict], card: str) -> str:
             lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (15 + len(groups)))
             continue
         lines.append(
-            f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']} | {r['tokens_per_s_per_gpu']:,.0f} | "
+            f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']}{_attention(r)} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | "
             f"{f(r['mfu'], '.1%')} | {f(r['mfu_palm'], '.1%')} | {f(r.get('mfu_vs_bf16_peak'), '.1%')} | "
             f"{r['step_time_s']:.3f} | {f(r.get('comm_ms'), '.1f')} | {f(r.get('wait_ms'), '.1f')} | "
             f"{f(r.get('exposed_comm_ms'), '.1f')} | "

@@ -39,6 +39,8 @@ BROKEN = {
                      ["ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", "Megatron-DeepSpeed#474"]),
     "deepspeed_tp_checkpoints": (["engine=deepspeed", "zero=stage1", "parallel.tp=2", "checkpoint.save=/tmp/gw-x"],
                                  ["engine=deepspeed over Megatron-Core's GPTModel saves no checkpoints"]),
+    "cudnn_attention_on_cpu": (["engine.attention_backend=cudnn"],
+                               ["engine.attention_backend=cudnn is a CUDA kernel", "use auto, flash or math"]),
     "tp_overlap_without_sp": (["parallel.tp=2", "engine.tp_comm_overlap=true"],
                               ["engine.tp_comm_overlap=true", "parallel.sp=true"]),
     "deepspeed_megatron_model_zero3": (["engine=deepspeed", "zero=stage3", "engine.deepspeed_model=megatron"],

@@ -87,6 +87,14 @@ class LengthDistribution(StrEnum):
     FIXED = "fixed"
 
 
+class AttentionBackend(StrEnum):
+    auto = "auto"  # CUDA: the fastest exact backend, measured on the run's shape; CPU: torch's default
+    cudnn = "cudnn"
+    flash = "flash"
+    efficient = "efficient"
+    math = "math"
+
+
 class Dispatcher(StrEnum):
     alltoall = "alltoall"
     allgather = "allgather"
@@ -263,6 +271,11 @@ class EngineConfig:
     # reduce-scatter with the neighbouring matmuls through torch's symmetric memory
     # (gridwright.megatron_internals.parallel_linear), as TorchTitan's async TP does.
     tp_comm_overlap: bool = False
+    # The kernel behind torch's scaled_dot_product_attention (gridwright.engines.attention_kernels):
+    # auto times cuDNN, flash and memory-efficient on this run's own attention call at start,
+    # keeps those within the dtype's error of an fp32 reference, and runs the fastest (named
+    # in the summary); a name puts that kernel first. Both engines.
+    attention_backend: str = choice("auto", AttentionBackend)
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,
     # whose SP and gradient overlap rely on it to order communication before compute, 8

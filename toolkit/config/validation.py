@@ -541,6 +541,9 @@ COMPILED_MEGATRON_TP = (
 
 def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     e = cfg.engine
+    if e.attention_backend in ("cudnn", "efficient") and cfg.cluster.device != "cuda":
+        return [f"engine.attention_backend={e.attention_backend} is a CUDA kernel and this run is on "
+                f"{cfg.cluster.device}: use auto, flash or math."]
     if e.cuda_device_max_connections is not None and not 1 <= e.cuda_device_max_connections <= 32:
         return [f"engine.cuda_device_max_connections={e.cuda_device_max_connections} must be 1 to 32 (or null)."]
     if not (is_known(e) and rules(e).CAPABILITIES.megatron_torch_native_paths):

@@ -17,6 +17,7 @@ from ..planning.disk_space import GIB, checkpoint_bytes, size_text
 from ..runtime.heartbeat import NO_PROGRESS
 from ..runtime.profiling import ProfileWindow
 from ..runtime.step_metrics import timed_step, write_memory_record
+from . import attention_kernels
 from .registry import rules
 
 
@@ -25,17 +26,29 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
     the logging rank. With `stop` (a StopRequest), a signal ends training after the step
     every rank is at, saving a checkpoint first when `checkpoint.save` is set. `progress`
     (a Heartbeat) hears of every step and phase on every rank. Returns facts for the
-    summary: with engine.compile_layers, how many graphs torch.compile made in this process
-    (0 would mean nothing compiled), whichever engine compiled its layers."""
+    summary: which attention kernel ran and why (attention_kernels) and, with
+    engine.compile_layers, how many graphs torch.compile made in this process (0 would mean
+    nothing compiled), whichever engine compiled its layers."""
     progress = progress or NO_PROGRESS
     engine = importlib.import_module(f"{__package__}.{rules(cfg.engine).TRAINER_MODULE}")
     with engine.open_trainer(cfg, layout, job_dir) as trainer:
-        _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
-    if not cfg.engine.compile_layers:
-        return {}
-    from .megatron_model import compiled_graphs
+        attention = _choose_attention(cfg, layout, trainer.device)
+        with attention_kernels.use(attention):
+            _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
+    facts = {"attention": attention.facts()}
+    if cfg.engine.compile_layers:
+        from .megatron_model import compiled_graphs
 
-    return {"compiled_graphs": compiled_graphs()}
+        facts["compiled_graphs"] = compiled_graphs()
+    return facts
+
+
+def _choose_attention(cfg, layout, device) -> attention_kernels.AttentionChoice:
+    from .megatron_model import DTYPES
+
+    shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout)
+    return attention_kernels.choose(cfg.engine.attention_backend, shape, DTYPES[cfg.precision.params_dtype], device,
+                                    packed=bool(cfg.data.packing))
 
 
 def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:

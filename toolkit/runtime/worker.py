@@ -205,6 +205,10 @@ def summary_lines(summary: dict, cfg) -> list[str]:
                 if summary.get("memory_estimate_allocated_gib") is not None else "")
     lines.append(f"            peak memory {summary['memory_peak_gib']:.2f} GiB {kind}, rank "
                  f"{summary['memory_peak_rank']}{estimate}")
+    if summary.get("attention"):
+        from ..engines.attention_kernels import summary_line
+
+        lines.append(f"            attention   {summary_line(summary['attention'])}")
     d = summary.get("dynamic_cp")
     if d:
         sizes = ", ".join(f"CP {k} x {n:,}" for k, n in d["documents_by_cp_size"].items())

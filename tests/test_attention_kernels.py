@@ -1,0 +1,72 @@
+"""The attention kernel chosen by measurement (gridwright.engines.attention_kernels), on
+the CPU's two SDPA backends (flash and math): times, errors against fp32, the refusal of a
+backend that cannot take the call, the priority a run holds, and two ranks agreeing."""
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
+
+from gridwright.config.compose import compose_config
+from gridwright.engines import attention_kernels as ak
+from gridwright.planning.layout import ParallelLayout
+
+SHAPE = ak.AttentionShape(batch=2, heads=4, groups=2, queries=128, keys=128, dim=32)
+CP_CHUNK = ak.AttentionShape(batch=1, heads=4, groups=1, queries=32, keys=128, dim=32)
+
+
+def test_measure_times_and_checks_each_backend():
+    for shape in (SHAPE, CP_CHUNK):
+        choice = ak.measure(shape, torch.float32, "cpu", ["flash", "math", "efficient"], repeats=2)
+        assert set(choice.ms) == {"flash", "math"} and all(ms > 0 for ms in choice.ms.values())
+        assert choice.backend == min(choice.ms, key=choice.ms.get)
+        assert choice.error["math"] == 0.0  # math in fp32 is the reference itself
+        assert 0 < choice.error["flash"] < 1e-5  # another kernel: rounding, nothing more
+        # the memory-efficient kernel is CUDA's: refused with torch's reason, not run
+        assert "efficient" not in choice.ms and "No viable backend" in choice.refused["efficient"]
+
+
+def test_bf16_errors_are_bf16_sized():
+    choice = ak.measure(SHAPE, torch.bfloat16, "cpu", ["flash", "math"], repeats=1)
+    assert all(1e-4 < e < ak.TOLERANCE[torch.bfloat16] for e in choice.error.values()), choice.error
+
+
+def test_use_puts_the_choice_first():
+    before = _cur_sdpa_kernel_backends(with_priority=True)
+    with ak.use(ak.AttentionChoice("math", "setting")):
+        order = _cur_sdpa_kernel_backends(with_priority=True)
+        assert order[0] == SDPBackend.MATH and SDPBackend.FLASH_ATTENTION in order
+    assert _cur_sdpa_kernel_backends(with_priority=True) == before
+    with ak.use(ak.AttentionChoice("default", "CPU")):  # nothing changes
+        assert _cur_sdpa_kernel_backends(with_priority=True) == before
+
+
+def test_auto_on_cpu_does_not_measure_and_shape_follows_layout():
+    cfg = compose_config(["+experiment=tiny_llama_tp2", "parallel.cp=2", "parallel.tp=1", "cluster.gpus_per_node=2"])
+    shape = ak.attention_shape(cfg.model, cfg.train, ParallelLayout.from_config(cfg))
+    assert (shape.queries, shape.keys) == (cfg.train.seq_length // 4, cfg.train.seq_length)  # CP's last chunk
+    choice = ak.choose("auto", shape, torch.float32, "cpu")
+    assert choice.backend == "default" and not choice.ms
+    assert ak.choose("math", shape, torch.float32, "cpu").backend == "math"
+    line = ak.summary_line(ak.measure(SHAPE, torch.float32, "cpu", ["flash", "math"], repeats=1).facts())
+    assert "forward + backward per call: " in line and " ms" in line
+
+
+def _agree_worker(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # rank 0 finds flash faster, rank 1 math, and only rank 1 could run cuDNN
+    times = [{"flash": 1.0, "math": 5.0}, {"flash": 9.0, "math": 6.0, "cudnn": 0.5}][rank]
+    agreed = ak._agree(ak.AttentionChoice("x", "measurement", ms=times, error={n: 0.0 for n in times}))
+    out[rank] = (agreed.backend, agreed.ms, dict(agreed.refused))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_slowest_ranks_times():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_agree_worker, args=(port, out), nprocs=2)
+    assert out[0][:2] == out[1][:2] == ("math", {"flash": 9.0, "math": 6.0})
+    assert out[0][2] == {} and out[1][2] == {"cudnn": "refused on another rank"}

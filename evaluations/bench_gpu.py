@@ -41,11 +41,14 @@ COMMON = ["tracking=off", "precision=bf16", "train.lr=3e-4", "train.min_lr=3e-5"
 TRACED = ["evaluate.profile_steps=[10,12]"]
 FAST = ["engine.compile_layers=true"]
 TP_FAST = FAST + ["engine.tp_comm_overlap=true"]
+GRAPHS = ["engine.cuda_graphs=layers"]
 # name: (GPUs, overrides)
 BENCH_2GPU = ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=14"]
 BENCH_1GPU = ["+experiment=bench_gpu", "train.steps=14"]
 LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_length=4096",
              "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14"]
+LLAMA3_8B_1GPU = ["model=llama3_8b", "cluster=h100_x1", "zero=stage1", "train.seq_length=4096", "model.num_layers=8",
+                  "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14", "name=llama3_8b_8l_1gpu"]
 DP2_OVERLAP = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]
 # Gradient reduction overlapped, the parameter all-gather not: DDP's parameter-gather
 # pre-hooks run inside compiled layers and make every layer compile its own graph.
@@ -73,6 +76,21 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_cp2_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + MB4),
     "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
     "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
+    # CUDA graphs (Megatron-Core's, one per layer) on the host-bound layouts, and beside
+    # compiled layers where compiling is allowed.
+    "bench_1b_1gpu_graphs": (1, BENCH_1GPU + FAST + GRAPHS),
+    "bench_1b_dp2_overlap_grad_graphs": (2, DP2_OVERLAP_GRAD + FAST + GRAPHS),
+    "bench_1b_tp2_sp_graphs": (2, TP2_SP + GRAPHS),
+    "bench_1b_tp2_sp_graphs_mb4": (2, TP2_SP + GRAPHS + MB4),
+    "bench_1b_tp2_sp_overlap_graphs": (2, TP2_SP + TP_FAST + GRAPHS),
+    "bench_1b_cp2_graphs": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + GRAPHS),
+    "bench_1b_cp2_graphs_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + GRAPHS + MB4),
+    # no recompute: Megatron-Core's graph capture cannot run activation checkpointing
+    "llama3_8b_16l_tp2_sp_graphs": (2, LLAMA_16L_TP2 + GRAPHS + ["train.recompute=none", "name=llama3_8b_16l_tp2_sp"]),
+    # FP8 where GEMMs dominate: the Llama-3-8B shape (8 layers fit one GPU's optimizer state),
+    # compiled, bf16 against torchao's tensorwise FP8.
+    "llama3_8b_8l_1gpu": (1, LLAMA3_8B_1GPU + FAST),
+    "llama3_8b_8l_1gpu_fp8_tensorwise": (1, LLAMA3_8B_1GPU + FAST + ["precision=fp8_tensorwise"]),
 }.items()}
 ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_dp2_distopt": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",
@@ -94,16 +112,16 @@ ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
                                          "name=llama3_8b_8l_dp2"]),
     "mixtral_4l_ep2": (2, ["model=mixtral_8x7b", "cluster=h100_x2", "zero=stage1", "parallel.ep=2",
                            "model.num_layers=4", "train.seq_length=4096", "train.micro_batch_size=1",
-                           "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
+                           "train.global_batch_size=16", "train.steps=14", "train.recompute=full",
                            "name=mixtral_4l_ep2"]),
     # The 8-GPU layouts (llama3_8b_dp8, llama3_8b_tp8, mixtral_ep8) scaled to 4 GPUs.
     "mixtral_8l_ep4": (4, ["model=mixtral_8x7b", "cluster=h100_x4", "zero=stage1", "parallel.ep=4",
                            "model.num_layers=8", "train.seq_length=4096", "train.micro_batch_size=1",
-                           "train.global_batch_size=16", "train.steps=10", "train.recompute=full",
+                           "train.global_batch_size=16", "train.steps=14", "train.recompute=full",
                            "name=mixtral_8l_ep4"]),
     "llama3_8b_tp4_sp": (4, ["model=llama3_8b", "cluster=h100_x4", "zero=stage1", "parallel.tp=4", "parallel.sp=true",
                              "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=8",
-                             "train.steps=8", "train.recompute=selective", "name=llama3_8b_tp4_sp"]),
+                             "train.steps=14", "train.recompute=selective", "name=llama3_8b_tp4_sp"]),
     "llama3_8b_16l_dp4": (4, LLAMA3_8B + ["cluster=h100_x4", "model.num_layers=16", "train.global_batch_size=16",
                                           "engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true",
                                           "name=llama3_8b_16l_dp4"]),
@@ -195,14 +213,19 @@ def start_from(overrides: list[str], weights: dict[str, Path] | None) -> list[st
 
 
 def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[str], gpu: int | None = None,
-             side_by_side: bool = False) -> dict:
+             side_by_side: bool = False, timeout: float | None = None) -> dict:
     """One case as a launch.py run; `gpu`: pin a one-GPU case to that device (an index
-    into the devices this process sees); `side_by_side`: another case runs beside it."""
+    into the devices this process sees); `side_by_side`: another case runs beside it;
+    `timeout`: seconds after which the case is stopped (SIGTERM: the launcher ends its
+    workers) and recorded as timed out."""
     job_dir = jobs / name
     cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": _visible_device(gpu)}
     print(f"+ [{name}]", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, text=True, capture_output=True, env=env)
+    try:
+        proc = subprocess.run(cmd, text=True, capture_output=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        proc = subprocess.CompletedProcess(cmd, 124, _text(e.stdout), _text(e.stderr) + f"\n[timed out after {timeout:.0f} s]")
     # Labelled: side by side, two cases' outputs arrive in the order they finish.
     print(f"[{name}] output:\n{proc.stdout[-2500:]}", proc.stderr[-4000:] if proc.returncode else "", flush=True)
     engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
@@ -251,6 +274,10 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     return row
 
 
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
 def _visible_device(index: int) -> str:
     """The index-th device this process sees, as CUDA_VISIBLE_DEVICES names it."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -295,7 +322,8 @@ def table(rows: list[dict], card: str) -> str:
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         if r["exit_code"]:
-            lines.append(f"| {r['case']} | {r['gpus']} | failed (exit {r['exit_code']}) |" + " |" * (15 + len(groups)))
+            why = "timed out" if r["exit_code"] == 124 else f"failed (exit {r['exit_code']})"
+            lines.append(f"| {r['case']} | {r['gpus']} | {why} |" + " |" * (15 + len(groups)))
             continue
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']}{_attention(r)} | "
@@ -337,6 +365,8 @@ def main() -> None:
                     "Megatron-Core conversion (both engines; Megatron-FSDP, which loads no checkpoint, from the seed)")
     ap.add_argument("--jobs", type=Path, help="keep the job directories here (to log them into MLflow later "
                     "with python -m gridwright.tracking.sync); default: a temporary directory")
+    ap.add_argument("--case-timeout", type=float, help="stop a case after this many seconds (a hung case "
+                    "then costs the call no more); the table says it timed out")
     ap.add_argument("--one-gpu-cases-side-by-side", action="store_true",
                     help="run the one-GPU cases two at a time, one per GPU")
     args = ap.parse_args()
@@ -363,12 +393,13 @@ def main() -> None:
         batch = ones[i:i + 2]
         with ThreadPoolExecutor(2) as pool:
             rows += list(pool.map(lambda c: run_case(*c[1], jobs, device_overrides(), gpu=c[0],
-                                                     side_by_side=len(batch) == 2), enumerate(batch)))
+                                                     side_by_side=len(batch) == 2, timeout=args.case_timeout),
+                                  enumerate(batch)))
         write_results(args.out, stamp, rows, card, n)
     for name, gpus, overrides in cases:
         if (name, gpus, overrides) in ones:
             continue
-        rows.append(run_case(name, gpus, overrides, jobs, device_overrides()))
+        rows.append(run_case(name, gpus, overrides, jobs, device_overrides(), timeout=args.case_timeout))
         write_results(args.out, stamp, rows, card, n)  # after every case: a cut-short call keeps the rest
     print(write_results(args.out, stamp, rows, card, n), flush=True)
 

@@ -94,3 +94,47 @@ def test_compiled_layers_all_compile_under_param_gather_overlap(run_launch, tmp_
     assert "recompile_limit" not in result.stdout + result.stderr
     summary = json.loads((job / "summary.json").read_text())
     assert summary["layer_spec"] == "local+sdpa+compiled" and summary["compiled_graphs"] >= 10
+
+
+def test_cuda_graphs_become_megatron_cores_local_graphs():
+    """engine.cuda_graphs=layers asks Megatron-Core for its own per-layer graphs (a CPU
+    cannot capture them: the GPU rows are in evaluations/results), and TransformerConfig
+    accepts the pair as given."""
+    from megatron.core.transformer import TransformerConfig
+
+    from gridwright.engines.megatron_model import transformer_config_kwargs
+    from gridwright.planning.layout import ParallelLayout
+
+    base = ["cluster=h100_x2", "+experiment=bench_gpu", "parallel.tp=2", "parallel.sp=true"]
+    for extra, impl in (([], "none"), (["engine.cuda_graphs=layers"], "local")):
+        cfg = compose_config(base + extra)
+        kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
+        assert kw.get("cuda_graph_impl", "none") == impl
+        kw["use_cpu_initialization"] = True
+        tc = TransformerConfig(**kw)
+        assert tc.cuda_graph_impl == impl and tc.cuda_graph_scope == []
+
+
+def test_graph_safe_rng_states_are_saved_as_tensors():
+    """Under CUDA graphs Megatron-Core's RNG tracker holds torch.Generator objects; a
+    checkpoint keeps their states as tensors (no pickled objects) and puts them back into
+    the same generators, whose numbers then repeat."""
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    from gridwright.engines.megatron_checkpoint import _restore_tracker, _tracker_states
+
+    tracker = CudaRNGStatesTracker()
+    generators = {"model-parallel-rng": torch.Generator().manual_seed(1), "data-parallel-rng": torch.Generator().manual_seed(2)}
+    tracker.set_states(dict(generators))
+    saved = _tracker_states(tracker)
+    assert all(type(s) is torch.Tensor for s in saved.values())
+    first = {name: torch.rand(3, generator=g) for name, g in generators.items()}
+    _restore_tracker(tracker, saved)
+    restored = tracker.get_states()
+    for name, g in generators.items():
+        assert restored[name] is g  # the very generator a graph would have registered
+        assert torch.equal(torch.rand(3, generator=g), first[name])
+    plain = CudaRNGStatesTracker()  # without graphs: tensor states, set as they are
+    plain.set_states({"x": torch.arange(4, dtype=torch.uint8)})
+    _restore_tracker(plain, _tracker_states(plain))
+    assert torch.equal(plain.get_states()["x"], torch.arange(4, dtype=torch.uint8))

@@ -95,6 +95,11 @@ class AttentionBackend(StrEnum):
     math = "math"
 
 
+class CudaGraphs(StrEnum):
+    none = "none"
+    layers = "layers"  # Megatron-Core's own graphs (cuda_graph_impl="local"): each layer's forward and backward
+
+
 class Dispatcher(StrEnum):
     alltoall = "alltoall"
     allgather = "allgather"
@@ -276,6 +281,12 @@ class EngineConfig:
     # keeps those within the dtype's error of an fp32 reference, and runs the fastest (named
     # in the summary); a name puts that kernel first. Both engines.
     attention_backend: str = choice("auto", AttentionBackend)
+    # CUDA graphs, for steps whose GPU waits on the host to launch kernels (TP, CP): `layers`
+    # records each transformer layer's forward and backward on the first step and replays
+    # them from the second on (Megatron-Core's local graphs; no Transformer Engine needed).
+    # Fixed shapes only: refused with packed documents, dynamic CP, Megatron-FSDP, full
+    # recompute and on CPU (gridwright.engines.megatron_rules).
+    cuda_graphs: str = choice("none", CudaGraphs)
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,
     # whose SP and gradient overlap rely on it to order communication before compute, 8

@@ -94,6 +94,9 @@ class DeepSpeedTrainer:
         self.dp_rank = self.observed_coordinates()["dp"]
         self.is_logging_rank = dist.get_rank() == 0
 
+    def run_facts(self) -> dict:
+        return {}
+
     def observed_coordinates(self) -> dict:
         """The data-parallel group DeepSpeed reduces gradients over (read from the engine);
         every other dimension is this rank alone (pure data parallelism)."""

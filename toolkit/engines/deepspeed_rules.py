@@ -177,6 +177,9 @@ def _feature_problems(engine, precision, zero, layout, megatron_model: bool) -> 
         out.append("engine.tp_comm_overlap=true swaps the Megatron engine's TP linears for gridwright's "
                    "symmetric-memory ones; DeepSpeed over TP trains Megatron-Core's own linears. "
                    "Fix: engine=megatron, or engine.tp_comm_overlap=false.")
+    if e.cuda_graphs != "none":
+        out.append(f"engine.cuda_graphs={e.cuda_graphs} is Megatron-Core's graph manager, driven by its pipeline "
+                   "schedule; DeepSpeed's step runs neither. Fix: engine=megatron, or engine.cuda_graphs=none.")
     if e.compile_layers and megatron_model:
         out.append("engine.compile_layers=true with Megatron-Core's GPTModel under DeepSpeed would compile Megatron-Core's "
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "

@@ -46,7 +46,7 @@ def _rng_state() -> dict:
         # unpickling (dtype.__setstate__) a crafted file could abuse (gridwright.checkpoints.checkpoint_trust).
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": _tracker_states(tensor_parallel.get_cuda_rng_tracker()),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -62,7 +62,25 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    _restore_tracker(tensor_parallel.get_cuda_rng_tracker(), state["tracker"])
+
+
+def _tracker_states(tracker) -> dict:
+    """The tracker's states as tensors: under CUDA graphs (graph-safe generators) they are
+    torch.Generator objects, which a checkpoint cannot hold without pickled code."""
+    return {name: s.get_state() if isinstance(s, torch.Generator) else s for name, s in tracker.get_states().items()}
+
+
+def _restore_tracker(tracker, saved: dict) -> None:
+    """Saved tensor states into the tracker, into its graph-safe generators where it has
+    them (the generators CUDA graphs registered must stay the same objects)."""
+    current = tracker.get_states()
+    if any(isinstance(s, torch.Generator) for s in current.values()):
+        for name, state in saved.items():
+            current[name].set_state(state)
+        tracker.set_states(current)
+    else:
+        tracker.set_states(dict(saved))
 
 
 def _sharded_state(trainer, is_loading: bool, with_rng: bool) -> dict:

@@ -116,7 +116,10 @@ class MegatronTrainer:
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         t = cfg.train
         torch.manual_seed(t.seed)
-        model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu)
+        # CUDA graphs need the graph-safe generators (same seeds, same numbers).
+        graphs = cfg.engine.cuda_graphs != "none"
+        model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs,
+                                        force_reset_rng=graphs)
 
         te = (not self.on_cpu) and transformer_engine_available()
         self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
@@ -125,6 +128,7 @@ class MegatronTrainer:
         if cfg.engine.compile_layers and not te:
             compile_layers(chunks)
         self.spec_name = spec_name(chunks, self.tcfg, te)
+        self.chunks = chunks
         reduce_expert_grads_over_expert_dp(chunks, self.tcfg)  # before DDP and the optimizer
         use_dist_opt = cfg.zero.stage >= 1
         fsdp = cfg.zero.stage == 3  # Megatron-FSDP: parameters, gradients and optimizer sharded
@@ -183,6 +187,13 @@ class MegatronTrainer:
             and ps.get_data_parallel_rank() == 0
             and ps.get_context_parallel_rank() == 0
         )
+
+    def run_facts(self) -> dict:
+        if self.tcfg.cuda_graph_impl != "local":
+            return {}
+        from .megatron_model import captured_graphs
+
+        return {"cuda_graphs": {"scope": "layers", "captured": captured_graphs(self.chunks)}}
 
     def observed_coordinates(self) -> dict:
         return observed_coordinates()
@@ -301,5 +312,16 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
         init_parallel(cfg.cluster, cfg.watchdog, layout, hybrid_cp=cfg.parallel.cp_mode == "dynamic")
         yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
+        if cfg.engine.cuda_graphs != "none":
+            # Graphs that captured NCCL work are freed first; even then, on 2 x H200 (torch
+            # 2.11) destroy_process_group hung after the last step (TP=2+SP and CP=2, seen in
+            # a faulthandler dump), so the groups are left to the process's exit, which the
+            # worker makes without running destructors (worker.exit_leaving_groups).
+            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+            torch.cuda.synchronize()
+            delete_cuda_graphs()
+            ps.destroy_model_parallel()
+            return
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -76,6 +76,10 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_grouped_gemm=False,
         )
+    if cfg.engine.cuda_graphs == "layers":
+        # Megatron-Core's own graphs, one per layer (the whole layer: scope []); recorded on
+        # the first step, captured when its schedule ends, replayed from then on.
+        kw.update(cuda_graph_impl="local", cuda_graph_scope=[])
     if t.recompute == "selective":
         kw.update(recompute_granularity="selective")
     elif t.recompute == "full":
@@ -182,7 +186,17 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+tp_overlap"
     if tcfg.gridwright_float8 is not None:
         name += "+" + tcfg.gridwright_float8_name
+    if tcfg.cuda_graph_impl == "local":
+        name += "+cuda_graphs(layers)"
     return name
+
+
+def captured_graphs(chunks) -> int:
+    """CUDA graphs Megatron-Core captured for these chunks' layers (a forward and a backward
+    per layer and in-flight micro-batch): the summary's proof that graphs replayed."""
+    runners = [r for chunk in chunks for layer in chunk.decoder.layers
+               for r in getattr(getattr(layer, "cudagraph_manager", None), "cudagraph_runners", [])]
+    return sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners)
 
 
 def compile_layers(chunks) -> None:

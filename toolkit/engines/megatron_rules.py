@@ -63,12 +63,37 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
                    "dynamic CP a rank runs a different number of forwards each step, so the reduction would "
                    "start too early (wrong gradients) or never. Fix: "
                    f"{'zero.stage=1' if z.stage == 3 else 'engine.overlap_grad_reduce=false'}.")
+    out += cuda_graph_problems(cfg)
     keys = explicit_deepspeed_only_keys(z)
     if keys:
         out.append(f"{', '.join(f'zero.{k}' for k in keys)}: DeepSpeed's ZeRO settings, which engine=megatron does "
                    "not read (its buckets are engine.bucket_size, its overlap engine.overlap_grad_reduce and "
                    "engine.overlap_param_gather). Fix: drop them, or engine=deepspeed.")
     return out
+
+
+def cuda_graph_problems(cfg) -> list[str]:
+    """engine.cuda_graphs=layers where Megatron-Core's local graphs cannot capture: a graph
+    replays fixed shapes and addresses with no host work inside."""
+    if cfg.engine.cuda_graphs == "none":
+        return []
+    reasons = []
+    if cfg.cluster.device != "cuda":
+        reasons.append(f"this run is on {cfg.cluster.device} (CUDA graphs are CUDA's)")
+    if cfg.data.packing or cfg.parallel.cp_mode == "dynamic":
+        reasons.append("packed documents change shape every micro-batch, and their attention reads document "
+                       "lengths on the host")
+    if cfg.zero.stage == 3:
+        reasons.append("Megatron-FSDP gathers parameters in forward pre-hooks, which Megatron-Core's graphs refuse")
+    if cfg.train.recompute != "none":
+        # selective: measured on 2 x H200 (Llama-3-8B shape, TP=2+SP), "Checkpointing is not
+        # compatible with .grad()" at capture; full: Megatron-Core allows it only whole-iteration.
+        reasons.append(f"train.recompute={cfg.train.recompute} recomputes inside the layer, and Megatron-Core's "
+                       "backward capture (torch.autograd.grad) cannot run activation checkpointing")
+    if not reasons:
+        return []
+    return [f"engine.cuda_graphs={cfg.engine.cuda_graphs} cannot capture here: {'; '.join(reasons)}. "
+            "Fix: engine.cuda_graphs=none."]
 
 
 def checkpoint_problems(cfg) -> list[str]:

@@ -79,3 +79,7 @@ class Trainer(Protocol):
 
     def save(self, step: int, root) -> Any:
         """Write a checkpoint of the state after `step` steps under `root`; its path."""
+
+    def run_facts(self) -> dict:
+        """What the engine built that the summary should name (e.g. CUDA graphs captured);
+        asked once, after the last step."""

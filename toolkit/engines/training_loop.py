@@ -35,7 +35,7 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
         attention = _choose_attention(cfg, layout, trainer.device)
         with attention_kernels.use(attention):
             _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
-    facts = {"attention": attention.facts()}
+        facts = {"attention": attention.facts(), **trainer.run_facts()}
     if cfg.engine.compile_layers:
         from .megatron_model import compiled_graphs
 

@@ -209,6 +209,10 @@ def summary_lines(summary: dict, cfg) -> list[str]:
         from ..engines.attention_kernels import summary_line
 
         lines.append(f"            attention   {summary_line(summary['attention'])}")
+    graphs = summary.get("cuda_graphs")
+    if graphs:
+        lines.append(f"            CUDA graphs {graphs['captured']} captured ({graphs['scope']}: a forward and a "
+                     "backward per layer), replayed from step 1 on")
     d = summary.get("dynamic_cp")
     if d:
         sizes = ", ".join(f"CP {k} x {n:,}" for k, n in d["documents_by_cp_size"].items())
@@ -326,7 +330,19 @@ def train(job_dir: Path) -> int:
         if cfg.evaluate.profile_steps is not None:
             extra["communication"] = evaluate_communication(job_dir)
         state["reporter"].finish(extra)
+    if cfg.engine.cuda_graphs != "none":
+        exit_leaving_groups(0)
     return 0
+
+
+def exit_leaving_groups(code: int) -> None:
+    """End the process now, leaving the NCCL groups to the exit: after CUDA graphs captured
+    their work, tearing them down hung (megatron_engine.open_trainer). Output is flushed and
+    child processes ended first, as a normal return would."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    end_descendants()
+    os._exit(code)
 
 
 def evaluate_communication(job_dir: Path) -> dict:

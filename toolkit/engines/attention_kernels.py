@@ -156,22 +156,29 @@ def _check_shape(shape: AttentionShape) -> AttentionShape:
 
 
 def _inputs(shape: AttentionShape, dtype, device, seed: int = 0) -> tuple:
+    """q, k, v in Megatron-Core's [s, b, heads, dim] layout (the runtime hands SDPA their
+    permuted views, and a kernel may take one memory layout and not another), the output
+    gradient, and the lower-right alignment."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda *size: torch.randn(*size, generator=g).to(device, dtype)  # noqa: E731
-    q = make(shape.batch, shape.heads, shape.queries, shape.dim)
-    k = make(shape.batch, shape.groups, shape.keys, shape.dim)
-    v = make(shape.batch, shape.groups, shape.keys, shape.dim)
+    q = make(shape.queries, shape.batch, shape.heads, shape.dim)
+    k = make(shape.keys, shape.batch, shape.groups, shape.dim)
+    v = make(shape.keys, shape.batch, shape.groups, shape.dim)
     grad = make(shape.batch, shape.heads, shape.queries, shape.dim)
     return q, k, v, grad, (shape.queries, shape.keys) if shape.lower_right else None
 
 
 def _run(inputs, dtype, backends) -> list[torch.Tensor]:
-    """Output and input gradients of one forward + backward of the runtime's call."""
+    """Output and input gradients of one forward + backward of the runtime's call
+    (`SDPACoreAttention`: permuted views into `causal_sdpa`)."""
+    import warnings
+
     from .torch_attention import causal_sdpa
 
     q, k, v = (x.detach().to(dtype).requires_grad_() for x in inputs[:3])
-    with sdpa_kernel(backends):
-        out = causal_sdpa(q, k, v, lower_right=inputs[4])
+    with sdpa_kernel(backends), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "... kernel not used because": the other backends are off by design
+        out = causal_sdpa(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), lower_right=inputs[4])
         out.backward(inputs[3].to(dtype))
     return [out.detach(), q.grad, k.grad, v.grad]
 

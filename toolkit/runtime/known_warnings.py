@@ -31,7 +31,7 @@ EVERYWHERE = (
     ("Apex is not installed. Falling back to Torch Norm", UserWarning,
      "the same fact, once per layer-spec module"),
     ("full scope is deprecated. Use empty cuda_graph_scope", UserWarning,
-     "Megatron-Core 0.16.1's own TransformerConfig default triggers it; no CUDA graphs are used"),
+     "Megatron-Core 0.16.1's own TransformerConfig default (scope \"full\") triggers it; engine.cuda_graphs sets the empty scope itself"),
     (r"`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
      "called inside Megatron-Core and DeepSpeed, once per call site (hundreds of lines under ZeRO-3)"),
     ("`load_state_dict` is deprecated and will be removed in future versions", FutureWarning,

@@ -1,13 +1,17 @@
 """FP8 through torchao against bf16: the loss after N steps and the speed, side by side.
 
     python -m gridwright.evaluations.fp8_loss_check [--steps 200] [--recipes tensorwise rowwise]
-        [--global-batch-size 8] [--lr 3e-4]
+        [--global-batch-size 8] [--lr 3e-4] [--data PREFIX] [--model llama3_8b --layers 8]
 
 Runs the bench model on one GPU per precision at once (GPU 0 bf16, GPU 1 the first FP8
 recipe, and so on: as many runs as GPUs), both compiled (torchao's float8 casts are fast
 only compiled), from the same seed and data, and writes a table of the mean loss of the
 last 10 steps, its difference from bf16, and tokens/s against bf16, then the loss curves
-(mean of each tenth of the run). The curve is there because a comparison at one step
+(mean of each tenth of the run). `--data` trains on a dataset made by
+`python -m gridwright.data.prepare_data` (real text, whose loss does not fall towards
+zero as the synthetic stream's does) instead of the synthetic tokens; `--model` and
+`--layers` put another shape in place of the bench model (the Llama-3-8B shape, where
+GEMMs dominate, fits one GPU at 8 layers). The curve is there because a comparison at one step
 means little unless bf16 itself is still descending there: a run whose bf16 loss has
 turned upward (too high a learning rate for the batch) compares two unstable runs.
 """
@@ -35,6 +39,9 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="*", default=["tensorwise"])
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--data", type=Path, help="an indexed dataset's prefix (prepare_data's --output-prefix)")
+    ap.add_argument("--model", help="a model config (conf/model) in place of the bench model")
+    ap.add_argument("--layers", type=int, help="model.num_layers")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     args = ap.parse_args()
     card, jobs = torch.cuda.get_device_name(0), Path(tempfile.mkdtemp(prefix="fp8_loss_"))
@@ -44,7 +51,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={precision}", "tracking=off",
                f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
                f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20",
-               "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}", f"job_dir={jobs / precision}"]
+               "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}", f"job_dir={jobs / precision}",
+               *shape_and_data(args)]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
         print("+", " ".join(cmd), flush=True)
         procs[precision] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -60,7 +68,8 @@ def main() -> None:
         rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
                                spec=s.get("layer_spec"), losses=losses)
     base = rows.get("bf16")
-    lines = [f"GPU: 1 x {card} per run (runs side by side), torch {torch.__version__}; bench model, sequence 4096, "
+    what = " ".join(shape_and_data(args)) or "bench model, synthetic tokens"
+    lines = [f"GPU: 1 x {card} per run (runs side by side), torch {torch.__version__}; {what}, sequence 4096, "
              f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
              f"{args.steps} steps, compiled layers", "",
              "| precision | spec | mean loss, last 10 steps | vs bf16 | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
@@ -84,6 +93,15 @@ def main() -> None:
     print(text, flush=True)
     write_markdown(args.out, "fp8_loss_check", "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]),
                    text)
+
+
+def shape_and_data(args) -> list[str]:
+    """The overrides of --model, --layers and --data."""
+    out = [f"model={args.model}"] if args.model else []
+    out += [f"model.num_layers={args.layers}"] if args.layers else []
+    if args.data:
+        out += ["data.kind=indexed", f"data.paths=[{args.data.resolve()}]"]
+    return out
 
 
 def tenths(steps: int) -> list[tuple[int, int]]:

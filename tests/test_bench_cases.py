@@ -27,3 +27,23 @@ def test_table_says_which_cases_timed_out():
     rows = [{"case": "a", "gpus": 2, "exit_code": 124}, {"case": "b", "gpus": 1, "exit_code": 1}]
     text = table(rows, "2 x NVIDIA H200")
     assert "| a | 2 | timed out |" in text and "| b | 1 | failed (exit 1) |" in text
+
+
+def test_fp8_loss_check_runs_validate_on_real_text_and_the_8b_shape(compose, tmp_path):
+    """The command fp8_loss_check gives each precision, with --data (a prepared dataset),
+    --model and --layers, is a valid experiment (bf16 and FP8 alike)."""
+    import argparse
+    import json
+
+    from gridwright.data.prepare_data import prepare
+    from gridwright.evaluations.fp8_loss_check import shape_and_data
+
+    src = tmp_path / "text.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 3000}) + "\n" for i in range(40)))
+    prepare([src], tmp_path / "text", "byte")
+    extra = shape_and_data(argparse.Namespace(model="llama3_8b", layers=8, data=tmp_path / "text"))
+    for precision in ("bf16", "fp8_tensorwise"):
+        cfg = compose("+experiment=bench_gpu", f"precision={precision}", "train.steps=300", "train.global_batch_size=8",
+                      "engine.compile_layers=true", "cluster.gpu.name=NVIDIA_H200", *H200, *extra, "launcher=plan")
+        validate(cfg)
+        assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 4096 and cfg.data.kind == "indexed"

@@ -216,16 +216,12 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
              side_by_side: bool = False, timeout: float | None = None) -> dict:
     """One case as a launch.py run; `gpu`: pin a one-GPU case to that device (an index
     into the devices this process sees); `side_by_side`: another case runs beside it;
-    `timeout`: seconds after which the case is stopped (SIGTERM: the launcher ends its
-    workers) and recorded as timed out."""
+    `timeout`: seconds after which the case is stopped and recorded as timed out."""
     job_dir = jobs / name
     cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": _visible_device(gpu)}
     print(f"+ [{name}]", " ".join(cmd), flush=True)
-    try:
-        proc = subprocess.run(cmd, text=True, capture_output=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        proc = subprocess.CompletedProcess(cmd, 124, _text(e.stdout), _text(e.stderr) + f"\n[timed out after {timeout:.0f} s]")
+    proc = _run_with_timeout(cmd, env, timeout)
     # Labelled: side by side, two cases' outputs arrive in the order they finish.
     print(f"[{name}] output:\n{proc.stdout[-2500:]}", proc.stderr[-4000:] if proc.returncode else "", flush=True)
     engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
@@ -274,8 +270,25 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     return row
 
 
-def _text(output) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+def _run_with_timeout(cmd: list[str], env, timeout: float | None) -> subprocess.CompletedProcess:
+    """Run a case in its own process group; past `timeout`, SIGTERM the group (the launcher
+    stops its workers as on a user's stop), SIGKILL what is left a minute later, and wait
+    for all of it: the next case must find the GPUs free. Exit code 124 when timed out."""
+    import signal
+
+    proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, 124, out, (err or "") + f"\n[timed out after {timeout:.0f} s]")
 
 
 def _visible_device(index: int) -> str:

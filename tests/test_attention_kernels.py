@@ -70,3 +70,34 @@ def test_ranks_agree_on_the_slowest_ranks_times():
     mp.spawn(_agree_worker, args=(port, out), nprocs=2)
     assert out[0][:2] == out[1][:2] == ("math", {"flash": 9.0, "math": 6.0})
     assert out[0][2] == {} and out[1][2] == {"cudnn": "refused on another rank"}
+
+
+def test_lower_right_choices_leave_one_fused_kernel_on():
+    """CP's lower-right masks are dispatched by torch among the fused kernels that are on,
+    whatever the priority: the chosen one is the only one left (math stays as the last
+    resort), so the summary names what runs."""
+    with ak.use(ak.AttentionChoice("efficient", "measurement", only=True)):
+        assert _cur_sdpa_kernel_backends(with_priority=True)[:2] == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        assert not torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+    cfg = compose_config(["+experiment=tiny_llama_tp2", "parallel.cp=2", "parallel.tp=1", "cluster.gpus_per_node=2"])
+    shape = ak.attention_shape(cfg.model, cfg.train, ParallelLayout.from_config(cfg))
+    assert ak.choose("flash", shape, torch.float32, "cpu").only  # a named kernel under CP: alone too
+
+
+def test_exactness_check_is_bounded_in_heads_and_length():
+    big = ak.AttentionShape(batch=4, heads=64, groups=8, queries=131072, keys=131072, dim=128)
+    check = ak._check_shape(big)
+    assert (check.batch, check.heads, check.groups, check.queries, check.keys) == (1, 4, 1, 4096, 4096)
+    chunk = ak._check_shape(ak.AttentionShape(batch=1, heads=8, groups=8, queries=8192, keys=65536, dim=64))
+    assert check.lower_right is False and chunk.lower_right and (chunk.heads, chunk.groups) == (4, 4)
+
+
+def test_a_restart_keeps_the_first_attempts_choice(tmp_path):
+    assert ak.remembered(tmp_path) is None and ak.remembered(None) is None
+    first = ak.AttentionChoice("efficient", "measurement", "shape", {"flash": 2.0, "efficient": 1.0},
+                               {"flash": 1e-3, "efficient": 2e-3}, {"cudnn": "x"}, only=True)
+    ak.remember(first, tmp_path)
+    again = ak.remembered(tmp_path)
+    assert (again.backend, again.ms, again.error, again.refused, again.only) == (
+        "efficient", first.ms, first.error, first.refused, True)
+    assert again.chosen_by == "measurement, kept from the job's first attempt"

@@ -47,3 +47,23 @@ def test_fp8_loss_check_runs_validate_on_real_text_and_the_8b_shape(compose, tmp
                       "engine.compile_layers=true", "cluster.gpu.name=NVIDIA_H200", *H200, *extra, "launcher=plan")
         validate(cfg)
         assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 4096 and cfg.data.kind == "indexed"
+
+
+def test_a_timed_out_case_leaves_no_process_behind():
+    """bench_gpu's case timeout stops the case's whole process group before the next case
+    starts (a launcher's workers would otherwise still hold the GPUs)."""
+    import sys
+    import time
+
+    import psutil
+
+    from gridwright.evaluations.bench_gpu import _run_with_timeout
+
+    code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    started = time.monotonic()
+    result = _run_with_timeout([sys.executable, "-c", code], None, timeout=2)
+    assert result.returncode == 124 and "timed out after 2 s" in result.stderr
+    assert time.monotonic() - started < 30
+    child = int(result.stdout.split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -15,8 +15,12 @@ On CPU `auto` keeps torch's default without measuring: CPU runs are the exactnes
 reference, and a choice that could change with timing noise would make them differ from
 one run to the next.
 
-Packed documents on CUDA go through torch's varlen flash kernel, not SDPA: the choice
-then touches nothing and the summary says so.
+Context parallelism's chunks attend with a lower-right causal mask, which torch's mask
+object dispatches itself (flash where it can, then memory-efficient), ignoring the
+priority order: for those shapes only flash and memory-efficient are timed, and the one
+chosen is the only fused kernel left on. Packed documents on CUDA in bf16/fp16 go
+through torch's varlen flash kernel, not SDPA, and Transformer Engine's spec has its own
+attention: the choice then touches nothing and the summary says so.
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ CUDA_ONLY = ("cudnn", "efficient")
 # flash and cuDNN measure a few 1e-3 in bf16; a wrong mask or a NaN measures near 1).
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 # The exactness check builds the fp32 reference's full score matrix: at most this many
-# query positions (the timing uses the whole shape).
+# positions and heads (the timing uses the whole shape).
 CHECK_LENGTH = 4096
+CHECK_HEADS = 4
 
 
 @dataclass
@@ -67,17 +72,47 @@ class AttentionShape:
 @dataclass
 class AttentionChoice:
     """What runs and why: `ms` the measured forward + backward time per call of each
-    backend that ran, `error` its largest relative error, `refused` why the others did not."""
-    backend: str  # a BACKENDS name, "default" (torch's own order) or "varlen_flash"
+    backend that ran, `error` its largest relative error, `refused` why the others did not;
+    `only`: the chosen kernel is the only fused one left on (lower-right shapes)."""
+    backend: str  # a BACKENDS name, "default" (torch's own order), "varlen_flash" or "transformer_engine"
     chosen_by: str  # "measurement", "setting", or why nothing was chosen
     shape: str = ""
     ms: dict[str, float] = field(default_factory=dict)
     error: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    only: bool = False
 
     def facts(self) -> dict:
         return {"backend": self.backend, "chosen_by": self.chosen_by, "shape": self.shape, "ms": self.ms,
-                "error": self.error, "refused": self.refused}
+                "error": self.error, "refused": self.refused, "only": self.only}
+
+
+# In the job directory: the choice of the job's first attempt, which a restart reuses, so
+# that resumed steps repeat exactly (a new measurement could pick another kernel).
+CHOICE_FILE = "attention.json"
+
+
+def remembered(job_dir) -> AttentionChoice | None:
+    """The choice an earlier attempt of this job recorded, if any."""
+    import json
+    from pathlib import Path
+
+    path = Path(job_dir) / CHOICE_FILE if job_dir else None
+    if path is None or not path.is_file():
+        return None
+    facts = json.loads(path.read_text())
+    return AttentionChoice(facts["backend"], f"{facts['chosen_by']}, kept from the job's first attempt",
+                           facts["shape"], facts["ms"], facts["error"], facts["refused"], facts.get("only", False))
+
+
+def remember(choice: AttentionChoice, job_dir) -> None:
+    import json
+    from pathlib import Path
+
+    from ..atomic_io import write_text_atomic
+
+    if job_dir:
+        write_text_atomic(Path(job_dir) / CHOICE_FILE, json.dumps(choice.facts(), indent=1))
 
 
 def attention_shape(model, train, layout) -> AttentionShape:
@@ -92,26 +127,44 @@ def attention_shape(model, train, layout) -> AttentionShape:
     return AttentionShape(train.micro_batch_size, heads, groups, queries, s, dim)
 
 
-def choose(setting: str, shape: AttentionShape, dtype, device, packed: bool = False) -> AttentionChoice:
+def choose(setting: str, shape: AttentionShape, dtype, device, packed: bool = False,
+           transformer_engine: bool = False) -> AttentionChoice:
     """The backend for this run, agreed by every rank (see the module's docstring)."""
     device = torch.device(device)
-    if packed and device.type == "cuda":
-        return AttentionChoice("varlen_flash", "packed documents: varlen flash", shape.text())
+    if transformer_engine:
+        return AttentionChoice("transformer_engine", "Transformer Engine's spec runs its own attention", shape.text())
+    if packed and device.type == "cuda" and _varlen_runs(dtype):
+        return AttentionChoice("varlen_flash", "packed documents: torch's varlen flash kernel", shape.text())
     if setting != "auto":
-        return AttentionChoice(setting, "setting", shape.text())
+        return AttentionChoice(setting, "setting", shape.text(), only=shape.lower_right)
     if device.type != "cuda":
         return AttentionChoice("default", "CPU: not measured, so that CPU runs stay repeatable", shape.text())
-    choice = measure(shape, dtype, device, [n for n in BACKENDS if n != "math"])
-    return _agree(choice)
+    candidates = ["flash", "efficient"] if shape.lower_right else ["cudnn", "flash", "efficient"]
+    choice = _agree(measure(shape, dtype, device, candidates))
+    choice.only = shape.lower_right
+    torch.cuda.empty_cache()  # the measurement's buffers are not the run's: keep them out of its peak
+    torch.cuda.reset_peak_memory_stats(device)
+    return choice
+
+
+def _varlen_runs(dtype) -> bool:
+    """Whether packed documents take the varlen kernel (torch_attention.prefix_attention)."""
+    from .torch_attention import _varlen_kernel
+
+    return _varlen_kernel()[0] is not None and dtype in (torch.bfloat16, torch.float16)
 
 
 def measure(shape: AttentionShape, dtype, device, candidates: list[str], repeats: int = 5) -> AttentionChoice:
     """Time and check each candidate on `shape`; the fastest exact one is `backend`."""
     device = torch.device(device)
+    choice = AttentionChoice("default", "measurement", shape.text())
     inputs = _inputs(shape, dtype, device)
     check = _inputs(_check_shape(shape), dtype, device, seed=1)
-    reference = _run(check, torch.float32, [SDPBackend.MATH])
-    choice = AttentionChoice("default", "measurement", shape.text())
+    try:
+        reference = _run(check, torch.float32, [SDPBackend.MATH])
+    except RuntimeError as e:  # out of memory, say: nothing is chosen, torch's order stays
+        choice.refused["reference"] = str(e).strip().splitlines()[0][:120]
+        return choice
     for name in candidates:
         try:
             error = _error(_run(check, dtype, [BACKENDS[name]]), reference)
@@ -129,13 +182,16 @@ def measure(shape: AttentionShape, dtype, device, candidates: list[str], repeats
 
 def use(choice: AttentionChoice):
     """A context holding torch's SDPA priority for the run: the chosen backend first, then
-    torch's usual order. For "default" and "varlen_flash" it changes nothing."""
+    torch's usual order (flash, efficient, math, cuDNN). For the other choices it changes
+    nothing."""
     import contextlib
 
     if choice.backend not in BACKENDS:
         return contextlib.nullcontext()
-    fallback = ("flash", "efficient", "cudnn", "math")
-    order = [BACKENDS[choice.backend]] + [BACKENDS[n] for n in fallback if n != choice.backend]
+    if choice.only:  # lower-right masks pick among the fused kernels that are on
+        return sdpa_kernel(list(dict.fromkeys([BACKENDS[choice.backend], SDPBackend.MATH])), set_priority=True)
+    fallback = [BACKENDS[n] for n in ("flash", "efficient", "math", "cudnn")] + [SDPBackend.OVERRIDEABLE]
+    order = [BACKENDS[choice.backend]] + [b for b in fallback if b != BACKENDS[choice.backend]]
     return sdpa_kernel(order, set_priority=True)
 
 
@@ -150,9 +206,13 @@ def summary_line(facts: dict) -> str:
 
 
 def _check_shape(shape: AttentionShape) -> AttentionShape:
+    """The exactness check's shape: at most CHECK_LENGTH keys and CHECK_HEADS heads, the
+    same kind of call (lower-right or not, grouped or not)."""
     keys = min(shape.keys, CHECK_LENGTH)
     queries = min(shape.queries, keys // 2) if shape.lower_right else keys
-    return AttentionShape(1, shape.heads, shape.groups, queries, keys, shape.dim)
+    heads = min(shape.heads, CHECK_HEADS)
+    groups = max(1, heads // (shape.heads // shape.groups))
+    return AttentionShape(1, heads, groups, queries, keys, shape.dim)
 
 
 def _inputs(shape: AttentionShape, dtype, device, seed: int = 0) -> tuple:

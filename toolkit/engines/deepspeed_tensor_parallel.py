@@ -150,6 +150,9 @@ class DeepSpeedTensorParallelTrainer:
         self.is_logging_rank = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
         self.spec_name = "local+sdpa"
 
+    def run_facts(self) -> dict:
+        return {}
+
     def observed_coordinates(self) -> dict:
         """Megatron-Core's groups, which DeepSpeed was handed and uses."""
         from .megatron_groups import observed_coordinates

@@ -313,14 +313,11 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
         init_parallel(cfg.cluster, cfg.watchdog, layout, hybrid_cp=cfg.parallel.cp_mode == "dynamic")
         yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
         if cfg.engine.cuda_graphs != "none":
-            # Graphs that captured NCCL work are freed first; even then, on 2 x H200 (torch
-            # 2.11) destroy_process_group hung after the last step (TP=2+SP and CP=2, seen in
-            # a faulthandler dump), so the groups are left to the process's exit, which the
-            # worker makes without running destructors (worker.exit_leaving_groups).
-            from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
+            # On 2 x H200 (torch 2.11) destroy_process_group hung after the last step of every
+            # run whose graphs captured NCCL work (TP=2+SP, CP=2; a faulthandler dump), so the
+            # groups are left to the process's exit, which the worker makes without running
+            # destructors (worker.exit_leaving_groups).
             torch.cuda.synchronize()
-            delete_cuda_graphs()
             ps.destroy_model_parallel()
             return
         ps.destroy_model_parallel()

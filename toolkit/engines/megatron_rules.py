@@ -85,6 +85,9 @@ def cuda_graph_problems(cfg) -> list[str]:
                        "lengths on the host")
     if cfg.zero.stage == 3:
         reasons.append("Megatron-FSDP gathers parameters in forward pre-hooks, which Megatron-Core's graphs refuse")
+    if cfg.model.num_experts:
+        reasons.append("MoE layers read token counts back to the host to route (Megatron-Core's dispatchers), "
+                       "which a graph cannot hold")
     if cfg.train.recompute != "none":
         # selective: measured on 2 x H200 (Llama-3-8B shape, TP=2+SP), "Checkpointing is not
         # compatible with .grad()" at capture; full: Megatron-Core allows it only whole-iteration.

@@ -32,7 +32,7 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
     progress = progress or NO_PROGRESS
     engine = importlib.import_module(f"{__package__}.{rules(cfg.engine).TRAINER_MODULE}")
     with engine.open_trainer(cfg, layout, job_dir) as trainer:
-        attention = _choose_attention(cfg, layout, trainer.device)
+        attention = _choose_attention(cfg, layout, trainer, job_dir)
         with attention_kernels.use(attention):
             _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
         facts = {"attention": attention.facts(), **trainer.run_facts()}
@@ -43,12 +43,20 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
     return facts
 
 
-def _choose_attention(cfg, layout, device) -> attention_kernels.AttentionChoice:
+def _choose_attention(cfg, layout, trainer, job_dir) -> attention_kernels.AttentionChoice:
+    """This run's attention kernel; a restarted job keeps its first attempt's."""
     from .megatron_model import DTYPES
 
+    earlier = attention_kernels.remembered(job_dir)
+    if earlier is not None:
+        return earlier
     shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout)
-    return attention_kernels.choose(cfg.engine.attention_backend, shape, DTYPES[cfg.precision.params_dtype], device,
-                                    packed=bool(cfg.data.packing))
+    choice = attention_kernels.choose(cfg.engine.attention_backend, shape, DTYPES[cfg.precision.params_dtype],
+                                      trainer.device, packed=bool(cfg.data.packing),
+                                      transformer_engine=trainer.spec_name == "transformer_engine")
+    if dist.get_rank() == 0:
+        attention_kernels.remember(choice, job_dir)
+    return choice
 
 
 def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:

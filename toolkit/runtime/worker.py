@@ -285,6 +285,8 @@ def train(job_dir: Path) -> int:
 
     stop = StopRequest()
     cfg = load_job_config(job_dir)
+    global _LEAVE_GROUPS_TO_EXIT
+    _LEAVE_GROUPS_TO_EXIT = cfg.engine.cuda_graphs != "none"
     guard_process(trust=cfg.checkpoint.trust_pickled_code)  # before any checkpoint file is read
     filter_known_warnings(cfg.cluster.device)
     refuse_what_this_machine_cannot_run(cfg)
@@ -330,15 +332,18 @@ def train(job_dir: Path) -> int:
         if cfg.evaluate.profile_steps is not None:
             extra["communication"] = evaluate_communication(job_dir)
         state["reporter"].finish(extra)
-    if cfg.engine.cuda_graphs != "none":
-        exit_leaving_groups(0)
     return 0
 
 
+# Set once a run with CUDA graphs starts: its NCCL groups are then left to the process's
+# exit, whichever way training ends (megatron_engine.open_trainer says why).
+_LEAVE_GROUPS_TO_EXIT = False
+
+
 def exit_leaving_groups(code: int) -> None:
-    """End the process now, leaving the NCCL groups to the exit: after CUDA graphs captured
-    their work, tearing them down hung (megatron_engine.open_trainer). Output is flushed and
-    child processes ended first, as a normal return would."""
+    """End the process now without running destructors: after CUDA graphs captured NCCL
+    work, tearing the groups down hung. Output is flushed and child processes ended first,
+    as a normal exit would."""
     sys.stdout.flush()
     sys.stderr.flush()
     end_descendants()
@@ -369,4 +374,7 @@ def evaluate_communication(job_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if _LEAVE_GROUPS_TO_EXIT:
+        exit_leaving_groups(code)
+    sys.exit(code)

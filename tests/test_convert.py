@@ -207,7 +207,9 @@ def test_trained_checkpoint_exports_to_hugging_face(experiment, saved, run_launc
         record = json.loads((tmp_path / "hf_bf16" / "conversion.json").read_text())
         assert record["dtype"] == ["bfloat16"] and record["verify"]["max_abs_diff"] <= TOLERANCE
         assert record["verify"]["weights"] == "both sides rounded to bf16, computed in fp32"
-        assert convert_main(bf16 + ["--out", str(tmp_path / "hf_strict"), "--tolerance", "0"]) == 1
+        # A tolerance no difference can meet: on an AMD EPYC the two sides agreed exactly, so
+        # tolerance 0 did not fail there (it did on the machines before).
+        assert convert_main(bf16 + ["--out", str(tmp_path / "hf_strict"), "--tolerance", "-1"]) == 1
         assert not any(p.name.startswith((".hf_strict", "hf_strict")) for p in tmp_path.iterdir())
 
 

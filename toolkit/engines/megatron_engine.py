@@ -312,13 +312,12 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
         init_parallel(cfg.cluster, cfg.watchdog, layout, hybrid_cp=cfg.parallel.cp_mode == "dynamic")
         yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
+        ps.destroy_model_parallel()
         if cfg.engine.cuda_graphs != "none":
             # On 2 x H200 (torch 2.11) destroy_process_group hung after the last step of every
             # run whose graphs captured NCCL work (TP=2+SP, CP=2; a faulthandler dump), so the
             # groups are left to the process's exit, which the worker makes without running
             # destructors (worker.exit_leaving_groups).
             torch.cuda.synchronize()
-            ps.destroy_model_parallel()
             return
-        ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -42,6 +42,7 @@ TRACED = ["evaluate.profile_steps=[10,12]"]
 FAST = ["engine.compile_layers=true"]
 TP_FAST = FAST + ["engine.tp_comm_overlap=true"]
 GRAPHS = ["engine.cuda_graphs=layers"]
+CP_A2A = ["parallel.cp_comm_type=a2a"]
 # name: (GPUs, overrides)
 BENCH_2GPU = ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=14"]
 BENCH_1GPU = ["+experiment=bench_gpu", "train.steps=14"]
@@ -85,6 +86,10 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_tp2_sp_overlap_graphs": (2, TP2_SP + TP_FAST + GRAPHS),
     "bench_1b_cp2_graphs": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + GRAPHS),
     "bench_1b_cp2_graphs_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + GRAPHS + MB4),
+    # CP by all-to-all (one causal call on the whole sequence for half the heads) beside the
+    # all-gather form above
+    "bench_1b_cp2_a2a_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + CP_A2A + FAST + MB4),
+    "bench_1b_cp2_a2a_graphs_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + CP_A2A + FAST + GRAPHS + MB4),
     # no recompute: Megatron-Core's graph capture cannot run activation checkpointing
     "llama3_8b_16l_tp2_sp_graphs": (2, LLAMA_16L_TP2 + GRAPHS + ["train.recompute=none", "name=llama3_8b_16l_tp2_sp"]),
     # FP8 where GEMMs dominate: the Llama-3-8B shape (8 layers fit one GPU's optimizer state),

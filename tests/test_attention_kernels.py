@@ -46,6 +46,8 @@ def test_auto_on_cpu_does_not_measure_and_shape_follows_layout():
     cfg = compose_config(["+experiment=tiny_llama_tp2", "parallel.cp=2", "parallel.tp=1", "cluster.gpus_per_node=2"])
     shape = ak.attention_shape(cfg.model, cfg.train, ParallelLayout.from_config(cfg))
     assert (shape.queries, shape.keys) == (cfg.train.seq_length // 4, cfg.train.seq_length)  # CP's last chunk
+    whole = ak.attention_shape(cfg.model, cfg.train, ParallelLayout.from_config(cfg), "a2a")  # half the heads
+    assert (whole.heads, whole.groups, whole.queries, whole.lower_right) == (2, 1, cfg.train.seq_length, False)
     choice = ak.choose("auto", shape, torch.float32, "cpu")
     assert choice.backend == "default" and not choice.ms
     assert ak.choose("math", shape, torch.float32, "cpu").backend == "math"

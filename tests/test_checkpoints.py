@@ -107,6 +107,7 @@ LAYOUTS = {
     "tp2_distopt": ("tiny_llama", ["+experiment=tiny_llama_tp2", "zero=stage2"]),
     "ep2": ("tiny_mixtral", ["+experiment=tiny_mixtral_cpu"]),
     "cp2": ("tiny_llama", ["parallel.cp=2"]),
+    "cp2_a2a": ("tiny_llama", ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
     "moe_tp2_etp2": ("tiny_mixtral", ["model=tiny_mixtral", "parallel.moe_token_dispatcher=allgather", "parallel.tp=2",
                                       "parallel.sp=true"]),
     # expert-TP different from TP: expert gradients reduce over the expert DP group
@@ -161,6 +162,8 @@ def test_resharded_resume_matches_single_process(run_launch, tmp_path, name, sin
         assert spec == f"local+sdpa{compiled}+tp_overlap"
     elif compiled:
         assert spec == "local+sdpa+compiled"
+    elif "a2a" in name:
+        assert spec == "local+sdpa+cp_a2a"
     for step in two:
         # fp32 on CPU; reductions are ordered differently across layouts.
         assert two[step] == pytest.approx(one[step], abs=1e-4), (step, one[step], two[step])

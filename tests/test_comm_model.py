@@ -238,6 +238,16 @@ def test_cp2_gathers_keys_and_values(compose):
     assert _tally(r["cp"])[("all_gather", kv)] == 4 * 16
 
 
+def test_cp2_all_to_all_exchanges_queries_keys_values_and_outputs(compose):
+    # Per rank s/cp = 32 positions: Q, K and V of 4 heads + 2 x 2 groups, 32 x 2 x 8 x 16 x 4 B
+    # = 32,768 sent; the output 32 x 2 x 4 x 16 x 4 B = 16,384; each in the forward and, as
+    # gradients, in the backward, over 16 layer passes.
+    r = _predict(compose, "parallel.cp=2", "parallel.cp_comm_type=a2a")
+    assert _tally(r["cp"]) == {("all_to_all", 32768): 2 * 16, ("all_to_all", 16384): 2 * 16, ("all_reduce", 4): 4}
+    r = _predict(compose, "parallel.cp=2", "parallel.cp_comm_type=a2a", "train.recompute=selective")
+    assert _tally(r["cp"]) == {("all_to_all", 32768): 3 * 16, ("all_to_all", 16384): 3 * 16, ("all_reduce", 4): 4}
+
+
 def test_ep2_mixtral_alltoall(compose):
     # tiny_mixtral: 2 layers, 4 experts top-2, h 64, ffn 128; DP 2 -> 2 micro-batches.
     # T = 64 x 2 = 128 tokens: routed tokens 128 x 2 x 64 x 4 B = 65,536, probabilities 1,024.

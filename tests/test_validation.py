@@ -130,6 +130,13 @@ BROKEN = {
     "vocab_not_divisible_by_tp": (["parallel.tp=2", "model.vocab_size=257"],
                                   ["model.vocab_size=257 is not divisible by parallel.tp=2"]),
     "seq_beyond_positions": (["train.seq_length=512"], ["train.seq_length=512 exceeds model.max_position_embeddings=256"]),
+    "cp_a2a_without_cp": (["parallel.cp_comm_type=a2a"], ["read only by static context parallelism",
+                                                          "Fix: parallel.cp_comm_type=all_gather"]),
+    "cp_a2a_packed": (["parallel.cp=2", "parallel.cp_comm_type=a2a", "data.packing=true"],
+                      ["packed documents are built for the all-gather form only"]),
+    # tiny_llama: 4 heads, 2 groups; TP=2 leaves one group per rank, which CP=2 cannot share
+    "cp_a2a_groups": (["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a", "cluster.gpus_per_node=4"],
+                      ["each rank of TP=2 holds 2 heads and 1 key/value groups", "a parallel.cp that divides 1"]),
 }
 
 

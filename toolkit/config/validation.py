@@ -329,6 +329,27 @@ def check_context_parallel(train, layout: ParallelLayout, model) -> list[str]:
     return []
 
 
+def check_cp_comm_type(parallel, data, model, layout: ParallelLayout) -> list[str]:
+    """The all-to-all form (parallel.cp_comm_type=a2a) gives each CP rank 1/CP of this TP
+    rank's heads and key/value groups for the whole sequence, so both must divide by CP."""
+    if parallel.cp_comm_type != "a2a":
+        return []
+    if layout.cp == 1:
+        return ["parallel.cp_comm_type=a2a is read only by static context parallelism (parallel.cp > 1). "
+                "Fix: parallel.cp_comm_type=all_gather."]
+    if data.packing:
+        return ["parallel.cp_comm_type=a2a with data.packing: packed documents are built for the all-gather form "
+                "only. Fix: parallel.cp_comm_type=all_gather."]
+    heads = model.num_attention_heads // layout.tp
+    groups = (model.num_query_groups or model.num_attention_heads) // layout.tp
+    if groups == 0 or heads % layout.cp or groups % layout.cp:
+        return [f"parallel.cp_comm_type=a2a with parallel.cp={layout.cp}: each rank of TP={layout.tp} holds "
+                f"{heads} heads and {max(groups, 1)} key/value groups of model={model.name}, and the all-to-all "
+                "form gives each CP rank an equal share of both. Fix: parallel.cp_comm_type=all_gather, or a "
+                f"parallel.cp that divides {math.gcd(heads, max(groups, 1))}."]
+    return []
+
+
 def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[str]:
     """Packed documents (data.packing) and dynamic context parallelism (parallel.cp_mode):
     what gridwright's packed path and Megatron-Core 0.16.1's hybrid groups support."""
@@ -987,6 +1008,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
     if counts_ok and not layout_problems:
         problems += check_model_split(cfg.model, cfg.train, layout)
         problems += check_context_parallel(cfg.train, layout, cfg.model)
+        problems += check_cp_comm_type(cfg.parallel, cfg.data, cfg.model, layout)
         problems += check_batch(cfg.train, layout)
         problems += check_packing(cfg.data, cfg.parallel, cfg.train, cfg.model, layout)
         problems += check_engine(cfg, layout, for_launch)

@@ -115,14 +115,17 @@ def remember(choice: AttentionChoice, job_dir) -> None:
         write_text_atomic(Path(job_dir) / CHOICE_FILE, json.dumps(choice.facts(), indent=1))
 
 
-def attention_shape(model, train, layout) -> AttentionShape:
+def attention_shape(model, train, layout, cp_comm_type: str = "all_gather") -> AttentionShape:
     """This rank's fixed-length attention call: heads and key/value groups split over TP
-    (groups replicated when fewer than TP), the sequence over CP; under CP the call that
-    decides is the rank's last chunk (1/(2·CP) of the sequence) against every key before it."""
+    (groups replicated when fewer than TP), the sequence over CP. Under CP's all-gather form
+    the call that decides is the rank's last chunk (1/(2·CP) of the sequence) against every
+    key before it; the all-to-all form runs the whole sequence for 1/CP of the heads."""
     heads = model.num_attention_heads // layout.tp
     groups = max(1, (model.num_query_groups or model.num_attention_heads) // layout.tp)
     dim = model.head_dim or model.hidden_size // model.num_attention_heads
     s = train.seq_length
+    if layout.cp > 1 and cp_comm_type == "a2a":
+        return AttentionShape(train.micro_batch_size, heads // layout.cp, groups // layout.cp, s, s, dim)
     queries = s if layout.cp == 1 else s // (2 * layout.cp)
     return AttentionShape(train.micro_batch_size, heads, groups, queries, s, dim)
 

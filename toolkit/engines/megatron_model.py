@@ -76,6 +76,10 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_grouped_gemm=False,
         )
+    if layout.cp > 1:
+        # Handed by Megatron-Core to each layer's core attention: SDPACoreAttention's form, or
+        # Transformer Engine's (which names its forms the same way).
+        kw.update(cp_comm_type=cfg.parallel.cp_comm_type)
     if cfg.engine.cuda_graphs == "layers":
         # Megatron-Core's own graphs, one per layer (the whole layer: scope []); recorded on
         # the first step, captured when its schedule ends, replayed from then on.
@@ -112,6 +116,7 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.cp_size = config.context_parallel_size
+        self.cp_all_to_all = cp_comm_type == "a2a"  # from TransformerConfig.cp_comm_type
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -131,7 +136,8 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # -> [b, heads, s, dim]
         group = psp.cp_group if psp is not None else (ps.get_context_parallel_group() if self.cp_size > 1 else None)
         if group is not None and group.size() > 1:
-            out = torch_attention.context_parallel(q, k, v, group, self.softmax_scale, dropout)
+            form = torch_attention.context_parallel_a2a if self.cp_all_to_all else torch_attention.context_parallel
+            out = form(q, k, v, group, self.softmax_scale, dropout)
         else:
             out = torch_attention.causal_sdpa(q, k, v, self.softmax_scale, dropout)
         s, b = query.shape[0], query.shape[1]
@@ -186,6 +192,8 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+tp_overlap"
     if tcfg.gridwright_float8 is not None:
         name += "+" + tcfg.gridwright_float8_name
+    if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
+        name += "+cp_a2a"
     if tcfg.cuda_graph_impl == "local":
         name += "+cuda_graphs(layers)"
     return name

@@ -1,6 +1,6 @@
 """The attention computations of the torch-native layer spec (`megatron_model.SDPACoreAttention`),
-without Transformer Engine: causal SDPA, context parallelism by gathering keys and values,
-and packed documents (THD), where attention stays inside each document.
+without Transformer Engine: causal SDPA, context parallelism by gathering keys and values
+or by all-to-all, and packed documents (THD), where attention stays inside each document.
 
 Tensors are [b, heads, s, dim] for whole sequences and [t, heads, dim] for packed ones.
 Context parallelism follows Megatron-Core's load-balanced layout: a sequence (or, packed,
@@ -37,6 +37,29 @@ class _GatherSequence(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad[ctx.rank], None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over a group in equal parts along dim 0. The exchange is its own
+    adjoint (part j of rank r goes to part r of rank j), so the backward repeats it on the
+    gradient. Written here rather than torch.distributed.nn's, whose backward aborted on
+    gloo in a trial (torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group), None
+
+
+def _exchange(x, group):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
 
 
 def causal_sdpa(q, k, v, scale=None, dropout=0.0, lower_right=None):
@@ -77,6 +100,37 @@ def context_parallel(q, k, v, group, scale=None, dropout=0.0):
         outs.append(causal_sdpa(q[:, :, local * half:(local + 1) * half], keys[:, :, :end],
                                 values[:, :, :end], scale, dropout, (half, end)))
     return torch.cat(outs, dim=2)
+
+
+@torch.compiler.disable  # collectives inside a custom autograd function: eager, as context_parallel
+def context_parallel_a2a(q, k, v, group, scale=None, dropout=0.0):
+    """Context parallelism by all-to-all (the form of DeepSpeed-Ulysses; `parallel.cp_comm_type=a2a`):
+    one exchange turns each rank's [its two chunks of the sequence, all heads] into [the
+    whole sequence, 1/CP of the heads and key/value groups], one causal SDPA runs on it,
+    and a second exchange returns each rank its chunks for every head. Per layer that is
+    two collectives and one attention call, against the all-gather form's two gathers and
+    two lower-right calls; the exchanges carry the queries and outputs too, so more bytes
+    move. Needs heads and groups divisible by CP (validation.check_cp_comm_type)."""
+    size = dist.get_world_size(group)
+    b, heads, s_local, dim = q.shape
+    groups, half = k.shape[1], s_local // 2
+    h_part, g_part = heads // size, groups // size
+
+    def by_destination(x):  # [b, n, s_local, dim] -> [cp, b, n/cp, s_local, dim]: part j goes to rank j
+        return x.view(b, size, x.shape[1] // size, s_local, dim).transpose(0, 1)
+
+    sent = torch.cat([by_destination(x) for x in (q, k, v)], dim=2)
+    got = _AllToAll.apply(sent, group).view(size, b, h_part + 2 * g_part, 2, half, dim)
+    # Source rank r sent chunks r and 2·CP-1-r: put the 2·CP chunks in sequence order.
+    chunks = torch.cat([got[:, :, :, 0], got[:, :, :, 1].flip(0)])  # [2cp, b, n, half, dim]
+    whole = chunks.permute(1, 2, 0, 3, 4).reshape(b, h_part + 2 * g_part, 2 * size * half, dim)
+    qh, kh, vh = whole.split([h_part, g_part, g_part], dim=1)
+    out = causal_sdpa(qh, kh, vh, scale, dropout).view(b, h_part, 2 * size, half, dim)
+    # Rank j gets back chunks j and 2·CP-1-j of this rank's heads.
+    back = torch.stack([out[:, :, :size], out[:, :, size:].flip(2)], dim=3)  # [b, h_part, cp, 2, half, dim]
+    back = back.permute(2, 0, 1, 3, 4, 5).reshape(size, b, h_part, s_local, dim)
+    got = _AllToAll.apply(back, group)  # [cp (whose heads), b, h_part, s_local, dim]
+    return got.transpose(0, 1).reshape(b, heads, s_local, dim)
 
 
 def _gather_chunks_in_order(x, group, size):

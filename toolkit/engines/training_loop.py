@@ -50,7 +50,7 @@ def _choose_attention(cfg, layout, trainer, job_dir) -> attention_kernels.Attent
     earlier = attention_kernels.remembered(job_dir)
     if earlier is not None:
         return earlier
-    shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout)
+    shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout, cfg.parallel.cp_comm_type)
     choice = attention_kernels.choose(cfg.engine.attention_backend, shape, DTYPES[cfg.precision.params_dtype],
                                       trainer.device, packed=bool(cfg.data.packing),
                                       transformer_engine=trainer.spec_name == "transformer_engine")

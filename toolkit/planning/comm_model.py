@@ -382,6 +382,7 @@ class _Step:
     bucket_size: int | None  # engine.bucket_size (Megatron-FSDP's bucket outside the layers)
     ddp_bucket: int | None  # DDP's bucket in elements (`_bucket_elements`); None: one bucket
     dispatcher: str  # parallel.moe_token_dispatcher
+    cp_comm_type: str = "all_gather"  # parallel.cp_comm_type
 
 
 class _Calls:
@@ -491,14 +492,20 @@ def _tp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
 
 def _cp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     """Context parallelism (group cp) as the torch-native engine path does it
-    (megatron_model.SDPACoreAttention): per layer per micro-batch, forward one all_gather
-    each of K and V, total output KV = s x b x (num_query_groups / tp) x head_dim x act;
-    backward `_GatherSequence.backward` all-reduces each whole gathered gradient (KV
-    bytes; gloo has no reduce_scatter there) and keeps its slice. Recompute (selective:
-    core attention; full: the layer) repeats the two all-gathers in the backward. With
-    the loss on this stage (pp == 1), per micro-batch one all_reduce of the token count
-    (one fp32); with MoE and tp == 1, the aux loss's tokens-per-expert all_reduce (see
-    `_tp_calls`). TE's ring attention (GPUs with TE) is p2p instead and is not modelled.
+    (megatron_model.SDPACoreAttention), per layer per micro-batch:
+    * all-gather form (torch_attention.context_parallel): forward one all_gather each of K
+      and V, total output KV = s x b x (num_query_groups / tp) x head_dim x act; backward
+      `_GatherSequence.backward` all-reduces each whole gathered gradient (KV bytes; gloo
+      has no reduce_scatter there) and keeps its slice.
+    * all-to-all form (torch_attention.context_parallel_a2a): forward one all_to_all of
+      this rank's Q, K and V together (s/cp x b x (heads + 2 groups) / tp x head_dim x act
+      sent) and one of the output (s/cp x b x heads / tp x head_dim x act); backward the
+      same two, on the gradients.
+    Recompute (selective: core attention; full: the layer) repeats the forward's calls in
+    the backward. With the loss on this stage (pp == 1), per micro-batch one all_reduce of
+    the token count (one fp32); with MoE and tp == 1, the aux loss's tokens-per-expert
+    all_reduce (see `_tp_calls`). TE's ring attention (GPUs with TE) is p2p instead and is
+    not modelled.
     """
     cp = layout.cp
     if cp == 1:
@@ -506,12 +513,26 @@ def _cp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     c = _Calls(cp)
     m = st.model
     head_dim = m.get("head_dim") or st.h // int(m.num_attention_heads)
-    kv = st.s * st.b * (int(m.num_query_groups) // layout.tp) * head_dim * st.act
     per = st.layers * st.micro
-    c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, forward")
-    c.add("all_reduce", kv, 2 * per, "CP all-reduce of the K and V gradients, backward")
+    if st.cp_comm_type == "a2a":
+        heads, groups = int(m.num_attention_heads) // layout.tp, int(m.num_query_groups) // layout.tp
+        qkv = st.s_cp * st.b * (heads + 2 * groups) * head_dim * st.act
+        out = st.s_cp * st.b * heads * head_dim * st.act
+        forward = [(qkv, 1, "CP all-to-all of Q, K and V"), (out, 1, "CP all-to-all of the attention output")]
+        for size, count, what in forward:
+            c.add("all_to_all", size, count * per, f"{what}, forward")
+        c.add("all_to_all", out, per, "CP all-to-all of the output's gradient, backward")
+        c.add("all_to_all", qkv, per, "CP all-to-all of the Q, K and V gradients, backward")
+        collective = "all_to_all"
+    else:
+        kv = st.s * st.b * (int(m.num_query_groups) // layout.tp) * head_dim * st.act
+        forward = [(kv, 2, "CP all-gather of K and V")]
+        c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, forward")
+        c.add("all_reduce", kv, 2 * per, "CP all-reduce of the K and V gradients, backward")
+        collective = "all_gather"
     if st.recompute in ("selective", "full"):
-        c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, recomputed in backward")
+        for size, count, what in forward:
+            c.add(collective, size, count * per, f"{what}, recomputed in backward")
     if st.moe and m.moe_aux_loss_coeff > 0 and layout.tp == 1:
         c.add("all_reduce", int(m.num_experts) * 8, per, "MoE aux-loss tokens-per-expert all-reduce, forward")
     if st.last_stage:
@@ -761,7 +782,7 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
         layers=int(m.num_layers) // layout.pp, last_stage=layout.pp == 1, moe=int(m.num_experts) > 0,
         model=m, recompute=t.recompute, zero_stage=int(cfg.zero.stage), vpp=int(cfg.parallel.vpp or 1),
         bucket_size=cfg.engine.bucket_size, ddp_bucket=_bucket_elements(cfg.engine, layout),
-        dispatcher=cfg.parallel.moe_token_dispatcher,
+        dispatcher=cfg.parallel.moe_token_dispatcher, cp_comm_type=cfg.parallel.cp_comm_type,
     )
     groups = {  # kind -> (placement kind, group size, calls)
         "tp": ("tp", layout.tp, _tp_calls(layout, st)),

@@ -28,12 +28,13 @@ def _comm(ts, dur, desc="DATA_PARALLEL_GROUP_WITH_CP", ranks="[0, 1]", n=1000):
                                "dtype": "Float"})
 
 
-def _write_job(tmp_path, events_by_rank, timers=None):
-    """A job directory holding a DP=2 placement and one hand-made trace per rank."""
+def _write_job(tmp_path, events_by_rank, timers=None, **degrees):
+    """A job directory holding a 2-rank placement (DP=2 unless `degrees` say otherwise) and
+    one hand-made trace per rank."""
     from gridwright.planning.layout import ParallelLayout
     from gridwright.planning.placement import plan_placement
 
-    layout = ParallelLayout(world_size=2, gpus_per_node=2, nvlink_domain_size=2)
+    layout = ParallelLayout(world_size=2, gpus_per_node=2, nvlink_domain_size=2, **degrees)
     (tmp_path / "placement.json").write_text(plan_placement(layout).to_json())
     (tmp_path / "traces").mkdir()
     for rank, events in events_by_rank.items():
@@ -108,6 +109,18 @@ def test_dynamic_cp_groups_are_reported_by_their_size(tmp_path):
     assert doc["unknown_groups"] == []
     assert doc["compute_imbalance"] == pytest.approx(12 / 10)
     assert summary_of(doc)["compute_imbalance"] == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("graphs", ["layers", "none"])
+def test_kernels_replayed_by_layer_graphs_belong_to_the_layers_group(tmp_path, graphs):
+    """A CUDA graph's NCCL kernels carry no process-group record (nothing launched them);
+    with per-layer graphs at CP=2 they can only be CP's all-to-alls. Without graphs the
+    same unnamed kernel stays unattributed."""
+    replayed = {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 10, "dur": 5, "args": {}}
+    job = _write_job(tmp_path, {0: [_kernel(0, 10), replayed], 1: [_kernel(0, 10), replayed]}, cp=2)
+    (job / "config.yaml").write_text(f"engine:\n  cuda_graphs: {graphs}\n")
+    groups = analyze(job)["ranks"]["0"]["7"]["by_group"]
+    assert set(groups) == ({"cp"} if graphs == "layers" else {"unattributed"})
 
 
 def test_host_wait_is_the_idle_time_before_the_next_launch(tmp_path):

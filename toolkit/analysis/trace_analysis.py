@@ -199,9 +199,11 @@ def group_by_members(ranks_text: str, planned: dict[str, list[int]]) -> str | No
     return next((kind for kind in KINDS_BY_MEMBERS if planned.get(kind) == ranks), None)
 
 
-def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | None = None) -> RankTrace:
+def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | None = None,
+                    replayed_group: str | None = None) -> RankTrace:
     """Read one rank's gzip Chrome trace into step windows, compute and collectives;
-    `planned` (planned_groups) attributes communicators Megatron-Core did not describe."""
+    `planned` (planned_groups) attributes communicators Megatron-Core did not describe;
+    `replayed_group` (graph_replayed_group) is the group of kernels that carry no record."""
     try:
         with gzip.open(path, "rt") as f:
             doc = json.load(f)
@@ -227,8 +229,9 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
                 desc = a.get("Process Group Description")
                 if desc is None:
                     # Batched point-to-point kernels carry no process-group record; in
-                    # Megatron-Core they come from the pipeline schedule.
-                    group = "pp" if layout_pp > 1 else "unattributed"
+                    # Megatron-Core they come from the pipeline schedule. Nor do kernels a
+                    # CUDA graph replays (nothing launched them).
+                    group = "pp" if layout_pp > 1 else (replayed_group or "unattributed")
                     desc = "p2p"
                 elif desc.startswith(HYBRID_CP_PREFIX):  # dynamic CP: "cp2", "cp4", ... by group size
                     group = "cp" + desc[len(HYBRID_CP_PREFIX):]
@@ -387,6 +390,24 @@ def _mean(records: list[dict]) -> dict:
     return avg(records)
 
 
+def graph_replayed_group(job_dir: Path, layout: dict) -> str | None:
+    """The group of the NCCL kernels a run's CUDA graphs replay, or None. A replayed kernel
+    was never launched, so the trace has no process-group record for it; per-layer graphs
+    (engine.cuda_graphs=layers) capture only a layer's own collectives, which with the
+    refusals of megatron_rules (no MoE) are TP's or CP's: the one of the two with more
+    than one rank. With both, or with pipeline stages, nothing is assumed."""
+    import yaml  # PyYAML, which omegaconf already requires
+
+    config = job_dir / "config.yaml"
+    if not config.is_file() or layout["pp"] > 1:
+        return None
+    engine = (yaml.safe_load(config.read_text()) or {}).get("engine") or {}
+    if engine.get("cuda_graphs", "none") == "none":
+        return None
+    inside = [kind for kind in ("tp", "cp") if layout.get(kind, 1) > 1]
+    return inside[0] if len(inside) == 1 else None
+
+
 def analyze(job_dir: Path) -> dict:
     """The communication record of a job (written to communication.json by the worker)."""
     job_dir = Path(job_dir)
@@ -397,10 +418,11 @@ def analyze(job_dir: Path) -> dict:
     files = sorted((job_dir / TRACES_DIR).glob("rank_*.json.gz"))
     if not files:
         raise TraceError(f"{job_dir}: no traces in {TRACES_DIR}/ (run with evaluate.profile_steps=[first,last])")
-    traces = {}
+    traces, replayed = {}, graph_replayed_group(job_dir, layout)
     for f in files:
         rank = _rank_of_file(f)
-        rt = load_rank_trace(f, layout["pp"], planned_groups(placement, rank) if rank < len(placement["ranks"]) else None)
+        rt = load_rank_trace(f, layout["pp"], planned_groups(placement, rank) if rank < len(placement["ranks"]) else None,
+                             replayed)
         traces[rt.rank] = rt
     if not any(len(rt.compute) or rt.collectives for rt in traces.values()):
         return {

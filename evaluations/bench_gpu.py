@@ -84,6 +84,8 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_tp2_sp_graphs": (2, TP2_SP + GRAPHS),
     "bench_1b_tp2_sp_graphs_mb4": (2, TP2_SP + GRAPHS + MB4),
     "bench_1b_tp2_sp_overlap_graphs": (2, TP2_SP + TP_FAST + GRAPHS),
+    "bench_1b_tp2_sp_overlap_graphs_mb4": (2, TP2_SP + TP_FAST + GRAPHS + MB4),
+    "bench_1b_dp2_overlap_grad_graphs_mb4": (2, DP2_OVERLAP_GRAD + FAST + GRAPHS + MB4),
     "bench_1b_cp2_graphs": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + GRAPHS),
     "bench_1b_cp2_graphs_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + GRAPHS + MB4),
     # CP by all-to-all (one causal call on the whole sequence for half the heads) beside the
@@ -92,6 +94,8 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_cp2_a2a_graphs_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + CP_A2A + FAST + GRAPHS + MB4),
     # no recompute: Megatron-Core's graph capture cannot run activation checkpointing
     "llama3_8b_16l_tp2_sp_graphs": (2, LLAMA_16L_TP2 + GRAPHS + ["train.recompute=none", "name=llama3_8b_16l_tp2_sp"]),
+    "llama3_8b_16l_tp2_sp_overlap_graphs": (2, LLAMA_16L_TP2 + TP_FAST + GRAPHS + ["train.recompute=none",
+                                                                                  "name=llama3_8b_16l_tp2_sp"]),
     # FP8 where GEMMs dominate: the Llama-3-8B shape (8 layers fit one GPU's optimizer state),
     # compiled, bf16 against torchao's tensorwise FP8.
     "llama3_8b_8l_1gpu": (1, LLAMA3_8B_1GPU + FAST),
@@ -127,6 +131,10 @@ ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_tp4_sp": (4, ["model=llama3_8b", "cluster=h100_x4", "zero=stage1", "parallel.tp=4", "parallel.sp=true",
                              "train.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=8",
                              "train.steps=14", "train.recompute=selective", "name=llama3_8b_tp4_sp"]),
+    "llama3_8b_tp4_sp_graphs": (4, ["model=llama3_8b", "cluster=h100_x4", "zero=stage1", "parallel.tp=4",
+                                    "parallel.sp=true", "train.seq_length=4096", "train.micro_batch_size=1",
+                                    "train.global_batch_size=8", "train.steps=14", "train.recompute=none",
+                                    "engine.cuda_graphs=layers", "name=llama3_8b_tp4_sp"]),
     "llama3_8b_16l_dp4": (4, LLAMA3_8B + ["cluster=h100_x4", "model.num_layers=16", "train.global_batch_size=16",
                                           "engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true",
                                           "name=llama3_8b_16l_dp4"]),

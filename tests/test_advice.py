@@ -347,3 +347,44 @@ def test_notes_suggest_nothing_chosen_and_lead_to_a_valid_experiment(name):
     assert f"experiment={cfg.name}" not in suggestions
     for suggestion in suggestions:
         follow(overrides + [suggestion], max_steps=2)
+
+
+GPU2 = ["+experiment=bench_gpu", "cluster=h100_x2"]
+RECIPE_TP = "engine.compile_layers=true engine.tp_comm_overlap=true engine.cuda_graphs=layers"
+# name: (overrides, the settings the speed note names, or None for no note)
+SPEED_NOTES = {
+    "tp_sp_on_gpus": (GPU2 + ["parallel.tp=2", "parallel.sp=true"], RECIPE_TP),
+    # graphs cannot capture recomputation: the recipe drops it where memory allows
+    "tp_sp_with_recompute": (GPU2 + ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"],
+                             RECIPE_TP + " train.recompute=none"),
+    "tp_sp_half_chosen": (GPU2 + ["parallel.tp=2", "parallel.sp=true", "engine.cuda_graphs=layers"],
+                          "engine.compile_layers=true engine.tp_comm_overlap=true"),
+    "tp_sp_recipe_chosen": (GPU2 + ["parallel.tp=2", "parallel.sp=true"] + RECIPE_TP.split(), None),
+    "cp_on_gpus": (GPU2 + ["parallel.cp=2"], "parallel.cp_comm_type=a2a"),
+    "cp_packed": (GPU2 + ["parallel.cp=2", "data.packing=true"], None),  # a2a is refused with packing
+    "tp_sp_on_cpu": (["+experiment=tiny_llama_tp2", "parallel.sp=true"], None),
+    "tp_without_sp": (GPU2 + ["parallel.tp=2"], None),  # async TP needs SP
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPEED_NOTES))
+def test_speed_notes_name_only_missing_settings_that_validate(name):
+    from gridwright.config.speed_notes import speed_notes
+
+    overrides, expected = SPEED_NOTES[name]
+    cfg = compose_config(overrides)
+    notes = speed_notes(cfg)
+    if expected is None:
+        assert notes == []
+        return
+    assert len(notes) == 1 and f"measured faster for this layout: {expected}. " in notes[0], notes
+    assert not repeated_settings(cfg, notes)
+    followed = compose_config(overrides + expected.split())
+    validate(followed, for_launch=False)
+    assert speed_notes(followed) == []
+
+
+def test_the_plan_prints_the_speed_note(run_launch):
+    result = run_launch(*GPU2, "parallel.cp=2", "launcher=plan")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "note        measured faster for this layout: parallel.cp_comm_type=a2a." in result.stdout

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from .config.compose import composition_notes, strip_hydra
+from .config.speed_notes import speed_notes
 from .config.override_errors import command_line_error, unknown_key_message
 from .atomic_io import unwritable_reason, write_text_atomic
 from .checkpoints.checkpoint_dir import nothing_to_resume
@@ -47,7 +48,7 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
     lines += plan.lines()
     if plan.memory is not None:
         lines.append(f"memory/GPU  {plan.memory.describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
-    lines += [f"note        {n}" for n in composition_notes(cfg)]
+    lines += [f"note        {n}" for n in composition_notes(cfg) + speed_notes(cfg)]
     lines.append(f"job dir     {job_dir}")
     lines.append("placement")
     lines.append(plan.placement.table())

@@ -91,6 +91,23 @@ def test_fp8_recipes_map_to_transformer_config(compose):
     assert "fp8" not in transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
 
 
+def test_cp_comm_type_reaches_core_attention_and_leaves_te_its_ring(compose):
+    """Megatron-Core hands TransformerConfig.cp_comm_type to each layer's core attention.
+    gridwright's torch attention gets the form asked for; Transformer Engine (not importable
+    here: checked through the kwargs) keeps its default ring unless all-to-all is asked."""
+    from gridwright.engines.megatron_model import transformer_config_kwargs
+    from gridwright.planning.layout import ParallelLayout
+
+    def kwargs(te: bool, *overrides):
+        cfg = compose("parallel.cp=2", *overrides)
+        return transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=te)
+
+    assert kwargs(False)["cp_comm_type"] == "all_gather"
+    assert kwargs(False, "parallel.cp_comm_type=a2a")["cp_comm_type"] == "a2a"
+    assert "cp_comm_type" not in kwargs(True)
+    assert kwargs(True, "parallel.cp_comm_type=a2a")["cp_comm_type"] == "a2a"
+
+
 def test_recompute_and_moe_map_to_transformer_config(compose):
     from megatron.core.transformer import TransformerConfig
 

@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from gridwright.analysis.trace_analysis import TraceError, analyze, format_report, summary_of
+from gridwright.config.compose import compose_config
 
 DATA = Path(__file__).parent / "data" / "gpu_traces"
 # The overrides the committed traces were captured with (README in DATA).
@@ -118,7 +120,8 @@ def test_kernels_replayed_by_layer_graphs_belong_to_the_layers_group(tmp_path, g
     same unnamed kernel stays unattributed."""
     replayed = {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 10, "dur": 5, "args": {}}
     job = _write_job(tmp_path, {0: [_kernel(0, 10), replayed], 1: [_kernel(0, 10), replayed]}, cp=2)
-    (job / "config.yaml").write_text(f"engine:\n  cuda_graphs: {graphs}\n")
+    cfg = compose_config(["parallel.cp=2", f"engine.cuda_graphs={graphs}"])
+    (job / "config.yaml").write_text(OmegaConf.to_yaml(cfg))  # as the launcher writes it
     groups = analyze(job)["ranks"]["0"]["7"]["by_group"]
     assert set(groups) == ({"cp"} if graphs == "layers" else {"unattributed"})
 

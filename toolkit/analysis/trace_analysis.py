@@ -232,7 +232,7 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
                     # Megatron-Core they come from the pipeline schedule. Nor do kernels a
                     # CUDA graph replays (nothing launched them).
                     group = "pp" if layout_pp > 1 else (replayed_group or "unattributed")
-                    desc = "p2p"
+                    desc = "graph-replayed" if group == replayed_group else "p2p"
                 elif desc.startswith(HYBRID_CP_PREFIX):  # dynamic CP: "cp2", "cp4", ... by group size
                     group = "cp" + desc[len(HYBRID_CP_PREFIX):]
                     megatron_named = True
@@ -353,8 +353,8 @@ def _skew_waits(traces: dict[int, RankTrace]) -> dict[int, dict[int, float]]:
             by_comm.setdefault(c.communicator, {}).setdefault(r, []).append(i)
     waits: dict[int, dict[int, float]] = {r: {} for r in traces}
     for comm, per_rank in by_comm.items():
-        if comm.startswith("p2p") or len(per_rank) < 2:
-            continue  # point-to-point pairs are not matched by count
+        if comm.startswith(("p2p", "graph-replayed")) or len(per_rank) < 2:
+            continue  # point-to-point pairs are not matched by count; replayed kernels name no members
         counts = {len(v) for v in per_rank.values()}
         ranks_text = comm.split(" ", 1)[1] if " " in comm else ""
         members = json.loads(ranks_text) if ranks_text.startswith("[") else []
@@ -392,17 +392,17 @@ def _mean(records: list[dict]) -> dict:
 
 def graph_replayed_group(job_dir: Path, layout: dict) -> str | None:
     """The group of the NCCL kernels a run's CUDA graphs replay, or None. A replayed kernel
-    was never launched, so the trace has no process-group record for it; per-layer graphs
+    was never launched, so the trace has no process-group record for it (nor a size: its
+    group's bytes are unknown, and it takes no part in the skew split); per-layer graphs
     (engine.cuda_graphs=layers) capture only a layer's own collectives, which with the
     refusals of megatron_rules (no MoE) are TP's or CP's: the one of the two with more
-    than one rank. With both, or with pipeline stages, nothing is assumed."""
-    import yaml  # PyYAML, which omegaconf already requires
+    than one rank. With both, nothing is assumed; with pipeline stages the unnamed kernels
+    stay PP's, as without graphs (the two cannot be told apart)."""
+    from ..runtime.jobdir import CONFIG_FILE, load_job_config
 
-    config = job_dir / "config.yaml"
-    if not config.is_file() or layout["pp"] > 1:
+    if layout["pp"] > 1 or not (job_dir / CONFIG_FILE).is_file():
         return None
-    engine = (yaml.safe_load(config.read_text()) or {}).get("engine") or {}
-    if engine.get("cuda_graphs", "none") == "none":
+    if load_job_config(job_dir).engine.get("cuda_graphs", "none") == "none":
         return None
     inside = [kind for kind in ("tp", "cp") if layout.get(kind, 1) > 1]
     return inside[0] if len(inside) == 1 else None

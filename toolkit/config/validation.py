@@ -343,10 +343,11 @@ def check_cp_comm_type(parallel, data, model, layout: ParallelLayout) -> list[st
     heads = model.num_attention_heads // layout.tp
     groups = (model.num_query_groups or model.num_attention_heads) // layout.tp
     if groups == 0 or heads % layout.cp or groups % layout.cp:
+        shared = math.gcd(heads, max(groups, 1))
+        other = f", or a parallel.cp that divides {shared}" if shared > 1 else ""
         return [f"parallel.cp_comm_type=a2a with parallel.cp={layout.cp}: each rank of TP={layout.tp} holds "
                 f"{heads} heads and {max(groups, 1)} key/value groups of model={model.name}, and the all-to-all "
-                "form gives each CP rank an equal share of both. Fix: parallel.cp_comm_type=all_gather, or a "
-                f"parallel.cp that divides {math.gcd(heads, max(groups, 1))}."]
+                f"form gives each CP rank an equal share of both. Fix: parallel.cp_comm_type=all_gather{other}."]
     return []
 
 

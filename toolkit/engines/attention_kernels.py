@@ -15,10 +15,11 @@ On CPU `auto` keeps torch's default without measuring: CPU runs are the exactnes
 reference, and a choice that could change with timing noise would make them differ from
 one run to the next.
 
-Context parallelism's chunks attend with a lower-right causal mask, which torch's mask
-object dispatches itself (flash where it can, then memory-efficient), ignoring the
+Context parallelism's chunks in the all-gather form attend with a lower-right causal
+mask, which torch's mask object dispatches itself (flash where it can, then memory-efficient), ignoring the
 priority order: for those shapes only flash and memory-efficient are timed, and the one
-chosen is the only fused kernel left on. Packed documents on CUDA in bf16/fp16 go
+chosen is the only fused kernel left on. The all-to-all form runs a plain causal call
+on the whole sequence, so every backend is timed there. Packed documents on CUDA in bf16/fp16 go
 through torch's varlen flash kernel, not SDPA, and Transformer Engine's spec has its own
 attention: the choice then touches nothing and the summary says so.
 """
@@ -52,13 +53,16 @@ CHECK_HEADS = 4
 class AttentionShape:
     """One rank's attention call: [batch, heads, queries, dim] against `keys` keys in
     `groups` key/value heads; `lower_right` when queries are the last `queries` of the keys
-    (context parallelism's chunks)."""
+    (context parallelism's chunks). `heads_first`: SDPA gets [b, heads, s, dim]-contiguous
+    tensors (CP's all-to-all form) rather than permuted views of Megatron-Core's
+    [s, b, heads, dim]; a kernel may take one memory layout and not the other."""
     batch: int
     heads: int
     groups: int
     queries: int
     keys: int
     dim: int
+    heads_first: bool = False
 
     @property
     def lower_right(self) -> bool:
@@ -125,7 +129,8 @@ def attention_shape(model, train, layout, cp_comm_type: str = "all_gather") -> A
     dim = model.head_dim or model.hidden_size // model.num_attention_heads
     s = train.seq_length
     if layout.cp > 1 and cp_comm_type == "a2a":
-        return AttentionShape(train.micro_batch_size, heads // layout.cp, groups // layout.cp, s, s, dim)
+        return AttentionShape(train.micro_batch_size, heads // layout.cp, groups // layout.cp, s, s, dim,
+                              heads_first=True)
     queries = s if layout.cp == 1 else s // (2 * layout.cp)
     return AttentionShape(train.micro_batch_size, heads, groups, queries, s, dim)
 
@@ -215,33 +220,36 @@ def _check_shape(shape: AttentionShape) -> AttentionShape:
     queries = min(shape.queries, keys // 2) if shape.lower_right else keys
     heads = min(shape.heads, CHECK_HEADS)
     groups = max(1, heads // (shape.heads // shape.groups))
-    return AttentionShape(1, heads, groups, queries, keys, shape.dim)
+    return AttentionShape(1, heads, groups, queries, keys, shape.dim, shape.heads_first)
 
 
 def _inputs(shape: AttentionShape, dtype, device, seed: int = 0) -> tuple:
-    """q, k, v in Megatron-Core's [s, b, heads, dim] layout (the runtime hands SDPA their
-    permuted views, and a kernel may take one memory layout and not another), the output
-    gradient, and the lower-right alignment."""
+    """q, k, v in the layout the runtime hands SDPA (see AttentionShape.heads_first), the
+    output gradient, and the lower-right alignment."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     make = lambda *size: torch.randn(*size, generator=g).to(device, dtype)  # noqa: E731
-    q = make(shape.queries, shape.batch, shape.heads, shape.dim)
-    k = make(shape.keys, shape.batch, shape.groups, shape.dim)
-    v = make(shape.keys, shape.batch, shape.groups, shape.dim)
+
+    def tensor(s, heads):  # as [b, heads, s, dim], contiguous or a permuted [s, b, heads, dim]
+        if shape.heads_first:
+            return make(shape.batch, heads, s, shape.dim)
+        return make(s, shape.batch, heads, shape.dim).permute(1, 2, 0, 3)
+
+    q, k, v = tensor(shape.queries, shape.heads), tensor(shape.keys, shape.groups), tensor(shape.keys, shape.groups)
     grad = make(shape.batch, shape.heads, shape.queries, shape.dim)
     return q, k, v, grad, (shape.queries, shape.keys) if shape.lower_right else None
 
 
 def _run(inputs, dtype, backends) -> list[torch.Tensor]:
     """Output and input gradients of one forward + backward of the runtime's call
-    (`SDPACoreAttention`: permuted views into `causal_sdpa`)."""
+    (`causal_sdpa` on the layout `_inputs` made)."""
     import warnings
 
     from .torch_attention import causal_sdpa
 
-    q, k, v = (x.detach().to(dtype).requires_grad_() for x in inputs[:3])
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in inputs[:3])  # .to keeps the strides
     with sdpa_kernel(backends), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "... kernel not used because": the other backends are off by design
-        out = causal_sdpa(*(x.permute(1, 2, 0, 3) for x in (q, k, v)), lower_right=inputs[4])
+        out = causal_sdpa(q, k, v, lower_right=inputs[4])
         out.backward(inputs[3].to(dtype))
     return [out.detach(), q.grad, k.grad, v.grad]
 

@@ -76,9 +76,11 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_grouped_gemm=False,
         )
-    if layout.cp > 1:
+    if layout.cp > 1 and (not te_available or cfg.parallel.cp_comm_type == "a2a"):
         # Handed by Megatron-Core to each layer's core attention: SDPACoreAttention's form, or
-        # Transformer Engine's (which names its forms the same way).
+        # Transformer Engine's, which takes the same names. Unset, TE runs its ring (p2p),
+        # which the default all_gather leaves it: TE's all-gather form does not take packed
+        # documents.
         kw.update(cp_comm_type=cfg.parallel.cp_comm_type)
     if cfg.engine.cuda_graphs == "layers":
         # Megatron-Core's own graphs, one per layer (the whole layer: scope []); recorded on

@@ -514,25 +514,23 @@ def _cp_calls(layout: ParallelLayout, st: _Step) -> list[dict]:
     m = st.model
     head_dim = m.get("head_dim") or st.h // int(m.num_attention_heads)
     per = st.layers * st.micro
+    # (collective, bytes, calls per layer pass, what): the forward's, then the backward's
     if st.cp_comm_type == "a2a":
         heads, groups = int(m.num_attention_heads) // layout.tp, int(m.num_query_groups) // layout.tp
         qkv = st.s_cp * st.b * (heads + 2 * groups) * head_dim * st.act
         out = st.s_cp * st.b * heads * head_dim * st.act
-        forward = [(qkv, 1, "CP all-to-all of Q, K and V"), (out, 1, "CP all-to-all of the attention output")]
-        for size, count, what in forward:
-            c.add("all_to_all", size, count * per, f"{what}, forward")
-        c.add("all_to_all", out, per, "CP all-to-all of the output's gradient, backward")
-        c.add("all_to_all", qkv, per, "CP all-to-all of the Q, K and V gradients, backward")
-        collective = "all_to_all"
+        forward = [("all_to_all", qkv, 1, "CP all-to-all of Q, K and V"),
+                   ("all_to_all", out, 1, "CP all-to-all of the attention output")]
+        backward = [("all_to_all", out, 1, "CP all-to-all of the output's gradient"),
+                    ("all_to_all", qkv, 1, "CP all-to-all of the Q, K and V gradients")]
     else:
         kv = st.s * st.b * (int(m.num_query_groups) // layout.tp) * head_dim * st.act
-        forward = [(kv, 2, "CP all-gather of K and V")]
-        c.add("all_gather", kv, 2 * per, "CP all-gather of K and V, forward")
-        c.add("all_reduce", kv, 2 * per, "CP all-reduce of the K and V gradients, backward")
-        collective = "all_gather"
-    if st.recompute in ("selective", "full"):
-        for size, count, what in forward:
-            c.add(collective, size, count * per, f"{what}, recomputed in backward")
+        forward = [("all_gather", kv, 2, "CP all-gather of K and V")]
+        backward = [("all_reduce", kv, 2, "CP all-reduce of the K and V gradients")]
+    recomputed = forward if st.recompute in ("selective", "full") else []
+    for calls, when in ((forward, "forward"), (backward, "backward"), (recomputed, "recomputed in backward")):
+        for collective, size, count, what in calls:
+            c.add(collective, size, count * per, f"{what}, {when}")
     if st.moe and m.moe_aux_loss_coeff > 0 and layout.tp == 1:
         c.add("all_reduce", int(m.num_experts) * 8, per, "MoE aux-loss tokens-per-expert all-reduce, forward")
     if st.last_stage:

@@ -2,12 +2,37 @@
 Torch-free (validation and planning import it); see `protocol`."""
 from __future__ import annotations
 
-from .protocol import Capabilities, StateSharding
+from .protocol import Capabilities, Recipe, StateSharding
 from .zero_settings import explicit_deepspeed_only_keys
 
 NAME = "megatron"
 TRAINER_MODULE = "megatron_engine"
 CAPABILITIES = Capabilities(models_communication=True, grads_reduced_in_fp32=True, megatron_torch_native_paths=True)
+
+
+# Measured on 2 x H200 (docs/performance.md, "Host-bound layouts"): the host-bound layouts' recipes.
+TP_SP_RECIPE = Recipe(
+    (("engine.compile_layers", True), ("engine.tp_comm_overlap", True), ("engine.cuda_graphs", "layers")),
+    "TP=2+SP of the bench model ran 40.6 % MFU with them against 33.3 % eager, and the Llama-3-8B shape "
+    "43.6 % (2 x H200, evaluations/results/bench_gpu_2xh200_20261128-2041.md); async TP without "
+    "CUDA graphs was slower than eager there")
+CP_RECIPE = Recipe(
+    (("parallel.cp_comm_type", "a2a"),),
+    "CP=2 of the bench model ran 36.9 % MFU by all-to-all against 33.3 % by all-gather in one call "
+    "(2 x H200, evaluations/results/bench_gpu_2xh200_20261128-2016.md)")
+
+
+def measured_recipes(cfg, layout) -> list[Recipe]:
+    """The recipes measured for this layout's kind on GPUs (whether they validate for this
+    run is the caller's question)."""
+    if cfg.cluster.device != "cuda":
+        return []
+    out = []
+    if layout.tp > 1 and layout.sp:
+        out.append(TP_SP_RECIPE)
+    if layout.cp > 1 and cfg.parallel.cp_mode == "static":
+        out.append(CP_RECIPE)
+    return out
 
 
 def state_sharding(zero) -> StateSharding:

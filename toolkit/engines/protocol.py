@@ -11,8 +11,9 @@ An engine is a pair of modules:
                     `builds_megatron_layer_spec(engine, parallel)` (whether Transformer
                     Engine's presence changes what is built),
                     `cuda_device_max_connections(engine, parallel)` (the workers' hardware
-                    queues) and `zero_settings(zero, cluster)` (the ZeRO settings the plan
-                    records, or None).
+                    queues), `zero_settings(zero, cluster)` (the ZeRO settings the plan
+                    records, or None) and `measured_recipes(cfg, layout)` (settings measured
+                    faster for this layout, which the plan's notes name).
     <name>_engine   `open_trainer(cfg, layout, job_dir)`: a context manager that sets up
                     process groups, yields a `Trainer`, and tears them down.
 
@@ -34,6 +35,15 @@ class Capabilities:
     # engine.compile_layers / tp_comm_overlap follow the Megatron engine's rules (the torch-native
     # spec); an engine without them states its own in its rules
     megatron_torch_native_paths: bool
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Settings measured faster for a layout: `settings` are (dotted key, value) pairs,
+    `measured` says what they gave, where, and the results file that says so."""
+
+    settings: tuple[tuple[str, object], ...]
+    measured: str
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """The attention kernel chosen by measurement (gridwright.engines.attention_kernels), on
 the CPU's two SDPA backends (flash and math): times, errors against fp32, the refusal of a
 backend that cannot take the call, the priority a run holds, and two ranks agreeing."""
-import socket
 
 import torch
 import torch.distributed as dist
@@ -11,6 +10,7 @@ from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends
 from gridwright.config.compose import compose_config
 from gridwright.engines import attention_kernels as ak
 from gridwright.planning.layout import ParallelLayout
+from gridwright.runtime.loopback import free_port
 
 SHAPE = ak.AttentionShape(batch=2, heads=4, groups=2, queries=128, keys=128, dim=32)
 CP_CHUNK = ak.AttentionShape(batch=1, heads=4, groups=1, queries=32, keys=128, dim=32)
@@ -65,9 +65,7 @@ def _agree_worker(rank, port, out):
 
 
 def test_ranks_agree_on_the_slowest_ranks_times():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_agree_worker, args=(port, out), nprocs=2)
     assert out[0][:2] == out[1][:2] == ("math", {"flash": 9.0, "math": 6.0})

@@ -2,7 +2,6 @@
 attention: outputs and the gradients of queries, keys and values, on CP=2 and CP=4 gloo
 process groups, with GQA and Megatron-Core's load-balanced chunks (rank r holds chunks r
 and 2·CP-1-r)."""
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gridwright.engines import torch_attention
+from gridwright.runtime.loopback import free_port
 
 B, HEADS, GROUPS, S, DIM = 2, 8, 4, 48, 16
 
@@ -47,9 +47,7 @@ def _worker(rank, size, port, out):
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_both_forms_equal_one_process(size):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(size, port, out), nprocs=size)
     for rank in range(size):

@@ -402,9 +402,9 @@ def graph_replayed_group(job_dir: Path, layout: dict) -> str | None:
 
     if layout["pp"] > 1 or not (job_dir / CONFIG_FILE).is_file():
         return None
-    if load_job_config(job_dir).engine.get("cuda_graphs", "none") == "none":
+    if load_job_config(job_dir).engine.cuda_graphs == "none":
         return None
-    inside = [kind for kind in ("tp", "cp") if layout.get(kind, 1) > 1]
+    inside = [kind for kind in ("tp", "cp") if layout[kind] > 1]
     return inside[0] if len(inside) == 1 else None
 
 

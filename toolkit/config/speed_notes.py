@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+from omegaconf import OmegaConf
+
 from ..engines.registry import rules
 from ..planning.layout import ParallelLayout
 from .validation import ConfigError, validate
@@ -18,22 +20,16 @@ from .validation import ConfigError, validate
 def speed_notes(cfg) -> list[str]:
     notes = []
     for recipe in rules(cfg.engine).measured_recipes(cfg, ParallelLayout.from_config(cfg)):
-        missing = [(k, v) for k, v in recipe.settings if _get(cfg, k) != v]
+        missing = [(k, v) for k, v in recipe.settings if OmegaConf.select(cfg, k) != v]
         if not missing:
             continue
-        # CUDA graphs cannot capture recomputation: where memory allows, the recipe drops it.
-        for extra in ([], [("train.recompute", "none")] if cfg.train.recompute != "none" else None):
-            if extra is not None and _validates(cfg, missing + extra):
-                notes.append(f"measured faster for this layout: {_text(missing + extra)}. {recipe.measured}.")
-                break
+        candidates = [missing]
+        if cfg.train.recompute != "none":  # CUDA graphs cannot capture recomputation: drop it where memory allows
+            candidates.append(missing + [("train.recompute", "none")])
+        settings = next((c for c in candidates if _validates(cfg, c)), None)
+        if settings:
+            notes.append(f"measured faster for this layout: {_text(settings)}. {recipe.measured}.")
     return notes
-
-
-def _get(cfg, key: str):
-    node = cfg
-    for part in key.split("."):
-        node = node[part]
-    return node
 
 
 def _text(settings) -> str:
@@ -43,8 +39,7 @@ def _text(settings) -> str:
 def _validates(cfg, settings) -> bool:
     trial = copy.deepcopy(cfg)
     for key, value in settings:
-        parent, _, leaf = key.rpartition(".")
-        _get(trial, parent)[leaf] = value
+        OmegaConf.update(trial, key, value)
     try:
         validate(trial, for_launch=False)
     except ConfigError:

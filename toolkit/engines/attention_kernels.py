@@ -16,12 +16,13 @@ reference, and a choice that could change with timing noise would make them diff
 one run to the next.
 
 Context parallelism's chunks in the all-gather form attend with a lower-right causal
-mask, which torch's mask object dispatches itself (flash where it can, then memory-efficient), ignoring the
-priority order: for those shapes only flash and memory-efficient are timed, and the one
-chosen is the only fused kernel left on. The all-to-all form runs a plain causal call
-on the whole sequence, so every backend is timed there. Packed documents on CUDA in bf16/fp16 go
-through torch's varlen flash kernel, not SDPA, and Transformer Engine's spec has its own
-attention: the choice then touches nothing and the summary says so.
+mask, which torch's mask object dispatches itself (flash where it can, then
+memory-efficient), ignoring the priority order: for those shapes only flash and
+memory-efficient are timed, and the one chosen is the only fused kernel left on. The
+all-to-all form runs a plain causal call on the whole sequence, so every backend is timed
+there. Packed documents on CUDA in bf16/fp16 go through torch's varlen flash kernel, not
+SDPA, and Transformer Engine's spec has its own attention: the choice then touches
+nothing and the summary says so.
 """
 from __future__ import annotations
 

@@ -284,10 +284,13 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
 
 
 def _run_with_timeout(cmd: list[str], env, timeout: float | None) -> subprocess.CompletedProcess:
-    """Run a case in its own process group; past `timeout`, SIGTERM the group (the launcher
-    stops its workers as on a user's stop), SIGKILL what is left a minute later, and wait
-    for all of it: the next case must find the GPUs free. Exit code 124 when timed out."""
-    import signal
+    """Run a case; past `timeout`, end its whole process tree as a run's processes are ended
+    (`process_tree.end_processes`: SIGTERM, on which the launcher stops its workers, then
+    SIGKILL what is left a minute later) and wait for every member, not only the launcher:
+    the next case must find the GPUs free. Exit code 124 when timed out."""
+    import psutil
+
+    from gridwright.runtime.process_tree import end_processes
 
     proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             start_new_session=True)
@@ -295,12 +298,13 @@ def _run_with_timeout(cmd: list[str], env, timeout: float | None) -> subprocess.
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            launcher = psutil.Process(proc.pid)
+            tree = [launcher, *launcher.children(recursive=True)]
+        except psutil.Error:  # the launcher ended just now
+            tree = []
+        end_processes(tree, grace_s=60)
+        out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, 124, out, (err or "") + f"\n[timed out after {timeout:.0f} s]")
 
 

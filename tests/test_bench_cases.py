@@ -50,7 +50,7 @@ def test_fp8_loss_check_runs_validate_on_real_text_and_the_8b_shape(compose, tmp
 
 
 def test_a_timed_out_case_leaves_no_process_behind():
-    """bench_gpu's case timeout stops the case's whole process group before the next case
+    """bench_gpu's case timeout stops the case's whole process tree before the next case
     starts (a launcher's workers would otherwise still hold the GPUs)."""
     import sys
     import time

@@ -50,32 +50,37 @@ LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_len
              "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14"]
 LLAMA3_8B_1GPU = ["model=llama3_8b", "cluster=h100_x1", "zero=stage1", "train.seq_length=4096", "model.num_layers=8",
                   "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14", "name=llama3_8b_8l_1gpu"]
+LLAMA3_8B_16L_1GPU_MB2 = LLAMA3_8B_1GPU + ["model.num_layers=16", "train.micro_batch_size=2",
+                                             "name=llama3_8b_16l_1gpu_mb2"]
 DP2_OVERLAP = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_param_gather=true"]
 # Gradient reduction overlapped, the parameter all-gather not: DDP's parameter-gather
 # pre-hooks run inside compiled layers and make every layer compile its own graph.
 DP2_OVERLAP_GRAD = BENCH_2GPU + ["engine.overlap_grad_reduce=true"]
 MB4 = ["train.micro_batch_size=4"]
+# The base cases run as gridwright did before Megatron-Core's fusions became the CUDA default.
+UNFUSED = ["engine.fused_kernels=false"]
 LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
 TP2_SP = BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]
 # FP8 against bf16 over 200 steps is evaluations/fp8_loss_check.py (one GPU each, side by side).
 PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
-    "bench_1b_1gpu_base": (1, BENCH_1GPU),
+    "bench_1b_1gpu_base": (1, BENCH_1GPU + UNFUSED),
+    "bench_1b_1gpu_eager": (1, BENCH_1GPU),  # uncompiled, with Megatron-Core's fused SwiGLU and cross-entropy
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + MB4),
     "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
     "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),
-    "bench_1b_tp2_sp_base": (2, TP2_SP),
-    "bench_1b_tp2_sp_base_mb4": (2, TP2_SP + MB4),
+    "bench_1b_tp2_sp_base": (2, TP2_SP + UNFUSED),
+    "bench_1b_tp2_sp_base_mb4": (2, TP2_SP + MB4 + UNFUSED),
     "bench_1b_tp2_sp": (2, TP2_SP + TP_FAST),
-    "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP),
+    "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP + UNFUSED),
     "bench_1b_dp2_overlap_grad": (2, DP2_OVERLAP_GRAD + FAST),
     "bench_1b_dp2_overlap_grad_mb4": (2, DP2_OVERLAP_GRAD + FAST + MB4),
     "bench_1b_dp2_overlap": (2, DP2_OVERLAP + FAST),
-    "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"]),
+    "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"] + UNFUSED),
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
     "bench_1b_cp2_mb4": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST + MB4),
-    "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + ["name=llama3_8b_16l_tp2_sp"]),
+    "llama3_8b_16l_tp2_sp_base": (2, LLAMA_16L_TP2 + UNFUSED + ["name=llama3_8b_16l_tp2_sp"]),
     "llama3_8b_16l_tp2_sp": (2, LLAMA_16L_TP2 + TP_FAST + ["name=llama3_8b_16l_tp2_sp"]),
     # CUDA graphs (Megatron-Core's, one per layer) on the host-bound layouts, and beside
     # compiled layers where compiling is allowed.
@@ -100,6 +105,10 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     # compiled, bf16 against torchao's tensorwise FP8.
     "llama3_8b_8l_1gpu": (1, LLAMA3_8B_1GPU + FAST),
     "llama3_8b_8l_1gpu_fp8_tensorwise": (1, LLAMA3_8B_1GPU + FAST + ["precision=fp8_tensorwise"]),
+    # Half the 8B's layers on one GPU (the output layer, kept in bf16, is then 13 % of the
+    # matmul FLOPs rather than 23 % at 8 layers) at micro-batch 2: bigger float8 GEMMs.
+    "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]),
 }.items()}
 ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_dp2_distopt": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",
@@ -264,6 +273,7 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             idle_ms=_ms(comm.get("idle_s")),
             host_wait_ms=_ms(comm.get("host_wait_s")),  # idle with nothing launched yet: host-bound
             gpu_activities=comm.get("gpu_activities"),
+            compute_by_class_ms={k: _ms(v) for k, v in (comm.get("compute_by_class_s") or {}).items()},
             compiled_graphs=s.get("compiled_graphs"),
             overlap_pct=comm.get("overlap_pct"),
             exposed_ms_by_group={g: _ms(v.get("exposed_s")) for g, v in (comm.get("by_group") or {}).items()},
@@ -319,6 +329,12 @@ def _attention(row) -> str:
     return f" (attention: {row['attention']})" if row.get("attention") else ""
 
 
+def _classes(row) -> str:
+    """GPU milliseconds per step in matmuls, attention and the rest, e.g. "512 / 90 / 230"."""
+    by = row.get("compute_by_class_ms") or {}
+    return " / ".join(f"{by.get(k) or 0:.0f}" for k in ("matmul", "attention", "other")) if by else ""
+
+
 def _ms(seconds):
     return None if seconds is None else seconds * 1e3
 
@@ -341,19 +357,21 @@ def table(rows: list[dict], card: str) -> str:
         "Exposed communication: NCCL time with no compute on the GPU; wait: NCCL time before the last member "
         "arrived (skew); idle: no GPU activity; host wait: the part of idle before the host had launched the "
         "next kernel (the step is host-bound there); kernels: GPU activities per step; all the mean of 2 traced "
-        "steps over ranks. Symmetric-memory copies and barriers (async TP) are not NCCL kernels and count as compute. "
+        "steps over ranks. Matmul / attention / other: GPU time of each kernel class (trace_analysis.kernel_class). "
+        "Symmetric-memory copies and barriers (async TP) are not NCCL kernels and count as compute. "
         "Attention: the SDPA kernel each run measured fastest at its start (engine.attention_backend=auto), or was told.",
         "",
         "| case | GPUs | layout | spec | tokens/s/GPU | MFU (megatron) | MFU (palm) | MFU megatron / bf16 peak "
         "| step s | comm ms | wait ms | exposed comm ms | " + "".join(f"exposed {g} ms | " for g in groups)
-        + "overlap % | idle ms | host wait ms | kernels | max alloc GiB | loss first→last (mean of last 10) |",
-        "| --- " * (18 + len(groups)) + "|",
+        + "overlap % | idle ms | host wait ms | kernels | matmul / attention / other ms | max alloc GiB "
+        "| loss first→last (mean of last 10) |",
+        "| --- " * (19 + len(groups)) + "|",
     ]
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
         if r["exit_code"]:
             why = "timed out" if r["exit_code"] == 124 else f"failed (exit {r['exit_code']})"
-            lines.append(f"| {r['case']} | {r['gpus']} | {why} |" + " |" * (15 + len(groups)))
+            lines.append(f"| {r['case']} | {r['gpus']} | {why} |" + " |" * (16 + len(groups)))
             continue
         lines.append(
             f"| {r['case']} | {r['gpus']} | {r['layout']} | {r['layer_spec']}{_attention(r)} | "
@@ -363,7 +381,7 @@ def table(rows: list[dict], card: str) -> str:
             f"{f(r.get('exposed_comm_ms'), '.1f')} | "
             + "".join(f"{f((r.get('exposed_ms_by_group') or {}).get(g), '.1f')} | " for g in groups)
             + f"{f(r.get('overlap_pct'), '.1f')} | {f(r.get('idle_ms'), '.1f')} | {f(r.get('host_wait_ms'), '.1f')} | "
-            f"{f(r.get('gpu_activities'), ',.0f')} | {f(r['memory_max_allocated_gib'], '.1f')} | "
+            f"{f(r.get('gpu_activities'), ',.0f')} | {_classes(r)} | {f(r['memory_max_allocated_gib'], '.1f')} | "
             f"{r['first_loss']:.2f}→{r['last_loss']:.2f} ({f(r.get('loss_last10_mean'), '.3f')}) |"
         )
     balanced = [r for r in rows if not r["exit_code"] and (r.get("dynamic_cp") or r.get("compute_imbalance"))]

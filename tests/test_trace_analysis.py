@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from gridwright.analysis.trace_analysis import TraceError, analyze, format_report, summary_of
+from gridwright.analysis.trace_analysis import TraceError, analyze, format_report, kernel_class, summary_of
 from gridwright.config.compose import compose_config
 
 DATA = Path(__file__).parent / "data" / "gpu_traces"
@@ -193,6 +193,27 @@ def test_real_dp2_trace_attributes_gradient_traffic_to_dp():
     assert round(r0["compute_s"] * 1e6) == 18599
     assert round(r0["exposed_comm_s"] * 1e6) == 2149
     assert round(doc["mean"]["overlap_pct"], 2) == 27.04
+
+
+def test_kernels_are_classed_by_name():
+    assert kernel_class("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_class("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "matmul"
+    assert kernel_class("triton_tem_fused_mm_0") == "matmul"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7") == "attention"
+    assert kernel_class("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda>") == "other"
+    assert kernel_class("triton_poi_fused__to_copy_mul_silu_0") == "other"
+
+
+def test_real_trace_splits_compute_into_matmul_attention_and_the_rest():
+    """The classes cover compute: each is at most the union of all compute, and together
+    (they may overlap on different streams) at least it."""
+    m = analyze(DATA / "dp2_overlap")["mean"]
+    by = m["compute_by_class_s"]
+    assert set(by) == {"matmul", "attention", "other"}
+    assert all(0 < v <= m["compute_s"] for v in by.values())
+    assert sum(by.values()) >= m["compute_s"] * (1 - 1e-9)
+    assert round(by["matmul"] * 1e6) == 5552 and round(by["attention"] * 1e6) == 794
 
 
 @pytest.mark.parametrize("case", ["dp2_overlap", "tp2_sp", "pp2"])

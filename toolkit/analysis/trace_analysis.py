@@ -16,6 +16,10 @@ range, which spans exactly what the step timer measures):
   "host wait" share of idle time. Traces without launch records (trimmed) give None.
 * overlap %: communication overlapped with compute / communication (the definition of
   HolisticTraceAnalysis' `get_comm_comp_overlap`)
+* compute by class: time at least one kernel of a class runs, by its name: `matmul`
+  (cuBLAS, cuBLASLt's float8 GEMMs, CUTLASS, inductor's matmul templates), `attention`
+  (flash, cuDNN and memory-efficient SDPA) and `other` (elementwise, norms, casts,
+  reductions, the optimizer, copies). It says what a faster matmul (FP8) can gain at most.
 
 compute + exposed communication + idle = the step's window, by construction; the window
 is checked against the step timer (`traces/rank_N.steps.json`) to show that the trace
@@ -102,6 +106,19 @@ KINDS_BY_MEMBERS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 DTYPE_BYTES = {"Float": 4, "BFloat16": 2, "Half": 2, "Double": 8, "Int": 4, "Long": 8, "Byte": 1, "Char": 1}
 
 
+# Kernel-name fragments of each compute class, tried in this order (cuDNN's attention
+# kernels also name their GEMM instructions); anything else is `other`.
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "triton_tem", "splitkreduce", "scaled_mm")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lower = name.lower()
+    return next((cls for cls, fragments in KERNEL_CLASSES if any(f in lower for f in fragments)), "other")
+
+
 class TraceError(ValueError):
     """Traces that cannot be analysed; the message says why."""
 
@@ -165,6 +182,8 @@ class RankTrace:
     # no launch record); launches is None when the trace holds no launch records at all.
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0))
     launches: np.ndarray | None = None
+    # union of the compute activity of each class (kernel_class)
+    compute_classes: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def collective_kind(name: str, collective: str | None) -> str:
@@ -210,7 +229,7 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
     except (OSError, EOFError, json.JSONDecodeError) as e:
         raise TraceError(f"{path}: unreadable trace ({e})") from e
     rank = int(doc.get("distributedInfo", {}).get("rank", re.findall(r"\d+", path.name)[0]))
-    steps, compute, collectives, unknown = {}, [], [], set()
+    steps, compute, collectives, unknown, classed = {}, [], [], set(), {}
     megatron_named = False  # whether any communicator carries a Megatron-Core group name
     launch_ts, activity = {}, []  # correlation id -> host launch time; (start, correlation id)
     for e in doc.get("traceEvents", []):
@@ -254,6 +273,7 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
                     if desc == "p2p" else f"{desc} {a.get('Process Group Ranks', '')}", size))
             else:
                 compute.append(span)
+                classed.setdefault(kernel_class(name) if cat == "kernel" else "other", []).append(span)
     if not megatron_named:  # DeepSpeed's own groups: ZeRO-3 gathers over the default group
         for c in collectives:
             desc, _, ranks = c.communicator.partition(" ")
@@ -262,7 +282,8 @@ def load_rank_trace(path: Path, layout_pp: int, planned: dict[str, list[int]] | 
     activity.sort(key=lambda a: a[0])
     starts = np.array([a[0] for a in activity], dtype=np.float64)
     launches = np.array([launch_ts.get(c, np.nan) for _, c in activity], dtype=np.float64) if launch_ts else None
-    return RankTrace(rank, steps, union(compute), collectives, unknown, starts, launches)
+    return RankTrace(rank, steps, union(compute), collectives, unknown, starts, launches,
+                     {cls: union(spans) for cls, spans in classed.items()})
 
 
 def host_wait(rt: RankTrace, busy: np.ndarray, lo: float, hi: float) -> float | None:
@@ -332,6 +353,7 @@ def _breakdown(rt: RankTrace, lo: float, hi: float, wait: dict[int, float]) -> d
         "gpu_activities": int(((rt.starts >= lo) & (rt.starts < hi)).sum()),
         # No communication at all: nothing to overlap; 0 % rather than an undefined ratio.
         "overlap_pct": 100.0 * overlapped / comm_t if comm_t > 0 else 0.0,
+        "compute_by_class_s": {cls: total(clip(u, lo, hi)) * us for cls, u in sorted(rt.compute_classes.items())},
         "by_kind": part("kind"),
         "by_group": part("group"),
     }
@@ -530,6 +552,7 @@ def summary_of(doc: dict) -> dict:
     keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "idle_s", "host_wait_s", "gpu_activities",
             "overlap_pct", "wait_s")
     out = {k: m[k] for k in keys if k in m}
+    out["compute_by_class_s"] = m.get("compute_by_class_s") or {}
     out["by_group"] = {g: {k: v for k, v in rec.items() if k in ("comm_s", "exposed_s", "wait_s", "bytes")}
                        for g, rec in m.get("by_group", {}).items()}
     out["max_closure_error"] = doc.get("max_closure_error")
@@ -548,6 +571,10 @@ def format_report(doc: dict) -> str:
         waited = "n/a" if m.get("host_wait_s") is None else f"{m['host_wait_s'] * ms:.1f}"
         lines.append(f"{r:>4} {m['step_s'] * ms:8.1f} {m['compute_s'] * ms:8.1f} {m['exposed_comm_s'] * ms:12.1f}"
                      f" {m['idle_s'] * ms:6.1f} {waited:>10} {m['overlap_pct']:7.1f} %")
+    classes = doc["mean"].get("compute_by_class_s") or {}
+    if classes:
+        lines.append("compute by class (ms, mean over ranks): "
+                     + ", ".join(f"{cls} {v * ms:.1f}" for cls, v in classes.items()))
     lines.append("group  comm ms  exposed ms  wait ms  MB/step   (mean over ranks)")
     for g, rec in doc["mean"]["by_group"].items():
         wait = f"{rec['wait_s'] * ms:8.1f}" if rec.get("wait_s") is not None else "     n/a"

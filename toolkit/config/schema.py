@@ -296,6 +296,12 @@ class EngineConfig:
     # Fixed shapes only: refused with packed documents, dynamic CP, Megatron-FSDP, full
     # recompute and on CPU (gridwright.engines.megatron_rules).
     cuda_graphs: str = choice("none", CudaGraphs)
+    # Megatron-Core's own fused kernels that need no Transformer Engine or Apex: SwiGLU
+    # (bias_activation_fusion) and the vocabulary cross-entropy (cross_entropy_loss_fusion,
+    # native), each a torch.compile'd function (megatron.core.jit). Fewer launches and
+    # memory passes, with the unfused arithmetic. None: on for CUDA, off on CPU (where
+    # inductor's C++ build costs each run tens of seconds).
+    fused_kernels: Optional[bool] = None
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,
     # whose SP and gradient overlap rely on it to order communication before compute, 8

@@ -185,6 +185,10 @@ def _feature_problems(engine, precision, zero, layout, megatron_model: bool) -> 
     if e.cuda_graphs != "none":
         out.append(f"engine.cuda_graphs={e.cuda_graphs} is Megatron-Core's graph manager, driven by its pipeline "
                    "schedule; DeepSpeed's step runs neither. Fix: engine=megatron, or engine.cuda_graphs=none.")
+    if e.fused_kernels and not megatron_model:
+        out.append("engine.fused_kernels=true asks for Megatron-Core's fused SwiGLU and cross-entropy; the Hugging Face "
+                   "model DeepSpeed trains here has neither. Fix: engine.fused_kernels=null, or "
+                   "engine.deepspeed_model=megatron.")
     if e.compile_layers and megatron_model:
         out.append("engine.compile_layers=true with Megatron-Core's GPTModel under DeepSpeed would compile Megatron-Core's "
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "

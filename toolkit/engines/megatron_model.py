@@ -16,6 +16,13 @@ from . import torch_attention
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def fused_kernels(cfg) -> bool:
+    """Whether Megatron-Core's own SwiGLU and cross-entropy fusions run (engine.fused_kernels;
+    None: on CUDA only)."""
+    chosen = cfg.engine.fused_kernels
+    return cfg.cluster.device != "cpu" if chosen is None else bool(chosen)
+
+
 def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
     """Keyword arguments for megatron.core.transformer.TransformerConfig. FP8 appears in
     them only when Transformer Engine runs it; torchao's FP8 lives in the layers
@@ -47,8 +54,11 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         # Packed documents: the loss is a sum over tokens, divided by the global token count
         # (finalize_model_grads), so it does not depend on how documents were packed.
         calculate_per_token_loss=bool(cfg.data.packing),
-        # Fusions below need Apex or TE kernels; the torch paths are used instead.
-        bias_activation_fusion=False,
+        # Megatron-Core's torch.compile'd fusions (engine.fused_kernels); the ones below them
+        # need Apex or TE kernels, so the torch paths run instead.
+        bias_activation_fusion=fused_kernels(cfg),
+        cross_entropy_loss_fusion=fused_kernels(cfg),
+        cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -194,6 +204,8 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+tp_overlap"
     if tcfg.gridwright_float8 is not None:
         name += "+" + tcfg.gridwright_float8_name
+    if tcfg.bias_activation_fusion and tcfg.cross_entropy_loss_fusion:
+        name += "+fused(swiglu,cross_entropy)"
     if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
         name += "+cp_a2a"
     if tcfg.cuda_graph_impl == "local":

@@ -109,6 +109,8 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     # matmul FLOPs rather than 23 % at 8 layers) at micro-batch 2: bigger float8 GEMMs.
     "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]),
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
+        "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
 }.items()}
 ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_dp2_distopt": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",

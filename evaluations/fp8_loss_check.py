@@ -2,10 +2,14 @@
 
     python -m gridwright.evaluations.fp8_loss_check [--steps 200] [--recipes tensorwise rowwise]
         [--global-batch-size 8] [--lr 3e-4] [--data PREFIX] [--model llama3_8b --layers 8]
+        [--runs-per-gpu 1]
 
-Runs the bench model on one GPU per precision at once (GPU 0 bf16, GPU 1 the first FP8
-recipe, and so on: as many runs as GPUs), both compiled (torchao's float8 casts are fast
-only compiled), from the same seed and data, and writes a table of the mean loss of the
+Runs the bench model once per precision, one GPU each at once (GPU 0 bf16, GPU 1 the first
+FP8 recipe, and so on), in waves when there are more precisions than GPUs; a recipe written
+`tensorwise+output` also puts the output layer in float8 (precision.fp8_output_layer).
+`--runs-per-gpu K` runs K at once on each GPU: the losses are the same, the speeds then
+are not comparable and the table leaves them out. All runs are compiled (torchao's float8
+casts are fast only compiled), from the same seed and data, and it writes a table of the mean loss of the
 last 10 steps, its difference from bf16, and tokens/s against bf16, then the loss curves
 (mean of each tenth of the run). `--data` trains on a dataset made by
 `python -m gridwright.data.prepare_data` (real text, whose loss does not fall towards
@@ -42,34 +46,20 @@ def main() -> None:
     ap.add_argument("--data", type=Path, help="an indexed dataset's prefix (prepare_data's --output-prefix)")
     ap.add_argument("--model", help="a model config (conf/model) in place of the bench model")
     ap.add_argument("--layers", type=int, help="model.num_layers")
+    ap.add_argument("--runs-per-gpu", type=int, default=1, help="runs at once on each GPU (losses only)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     args = ap.parse_args()
     card, jobs = torch.cuda.get_device_name(0), Path(tempfile.mkdtemp(prefix="fp8_loss_"))
-    precisions = ["bf16"] + [f"fp8_{r}" for r in args.recipes][: torch.cuda.device_count() - 1]
-    procs = {}
-    for gpu, precision in enumerate(precisions):
-        cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={precision}", "tracking=off",
-               f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
-               f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20",
-               "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}", f"job_dir={jobs / precision}",
-               *shape_and_data(args)]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-        print("+", " ".join(cmd), flush=True)
-        procs[precision] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    precisions = ["bf16"] + [f"fp8_{r}" for r in args.recipes]
+    slots = torch.cuda.device_count() * args.runs_per_gpu
     rows = {}
-    for precision, proc in procs.items():
-        out = proc.communicate()[0]
-        if proc.returncode:
-            print(out[-4000:], flush=True)
-            continue
-        job = jobs / precision
-        s = json.loads((job / "summary.json").read_text())
-        losses = [record["loss"] for record in read_metrics(job)]
-        rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
-                               spec=s.get("layer_spec"), losses=losses)
+    for wave in range(0, len(precisions), slots):
+        rows |= run_wave(precisions[wave:wave + slots], args, card, jobs)
     base = rows.get("bf16")
+    speeds = args.runs_per_gpu == 1
     what = " ".join(shape_and_data(args)) or "bench model, synthetic tokens"
-    lines = [f"GPU: 1 x {card} per run (runs side by side), torch {torch.__version__}; {what}, sequence 4096, "
+    sharing = "" if speeds else f"; {args.runs_per_gpu} runs at once on each GPU, so no speeds"
+    lines = [f"GPU: {card} (runs side by side{sharing}), torch {torch.__version__}; {what}, sequence 4096, "
              f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
              f"{args.steps} steps, compiled layers", "",
              "| precision | spec | mean loss, last 10 steps | vs bf16 | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
@@ -80,9 +70,10 @@ def main() -> None:
             lines.append(f"| {precision} | failed | | | | | |")
             continue
         rel = f"{(r['loss10'] / base['loss10'] - 1):+.2%}" if base else ""
-        speed = f"{r['tokens'] / base['tokens']:.2f}x" if base else ""
-        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {r['tokens']:,.0f} | {speed} | {mfu} |")
+        speed = f"{r['tokens'] / base['tokens']:.2f}x" if base and speeds else ""
+        mfu = "n/a" if r["mfu"] is None or not speeds else f"{r['mfu']:.1%}"
+        tokens = f"{r['tokens']:,.0f}" if speeds else "shared GPU"
+        lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {tokens} | {speed} | {mfu} |")
     logged = min((len(r["losses"]) for r in rows.values()), default=0)  # the same for every run of one call
     lines += ["", "Loss curve (mean over each tenth of the run):", "",
               "| precision | " + " | ".join(f"steps {a}-{b}" for a, b in tenths(logged)) + " |",
@@ -93,6 +84,36 @@ def main() -> None:
     print(text, flush=True)
     write_markdown(args.out, "fp8_loss_check", "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]),
                    text)
+
+
+def run_wave(precisions: list[str], args, card: str, jobs: Path) -> dict:
+    """Run these precisions at once, spread over the GPUs; their rows by precision."""
+    import torch
+
+    procs = {}
+    for slot, precision in enumerate(precisions):
+        recipe_preset, _, output = precision.partition("+")
+        cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={recipe_preset}", "tracking=off",
+               f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
+               f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20",
+               "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}",
+               f"job_dir={jobs / precision.replace('+', '_')}", *shape_and_data(args),
+               *(["precision.fp8_output_layer=true"] if output == "output" else [])]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot % torch.cuda.device_count())}
+        print("+", " ".join(cmd), flush=True)
+        procs[precision] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rows = {}
+    for precision, proc in procs.items():
+        out = proc.communicate()[0]
+        if proc.returncode:
+            print(out[-4000:], flush=True)
+            continue
+        job = jobs / precision.replace("+", "_")
+        s = json.loads((job / "summary.json").read_text())
+        losses = [record["loss"] for record in read_metrics(job)]
+        rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
+                               spec=s.get("layer_spec"), losses=losses)
+    return rows
 
 
 def shape_and_data(args) -> list[str]:

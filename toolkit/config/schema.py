@@ -234,6 +234,10 @@ class PrecisionConfig:
     # inside the torch-native spec; emulated on CPU) | auto (Transformer Engine where it
     # imports, else torchao for its recipes).
     fp8_backend: str = choice("auto", Fp8Backend)
+    # torchao's FP8 also for the output (logit) layer, the largest matmul of a small model.
+    # Off by default, as in Transformer Engine and TorchTitan: the logits are the most
+    # sensitive to float8 rounding (evaluations/fp8_loss_check measures the loss).
+    fp8_output_layer: bool = False
 
 
 @dataclass

@@ -431,12 +431,17 @@ def check_precision(cfg, for_launch: bool) -> list[str]:
     if p.fp8_recipe is None:
         if p.fp8_param:
             out.append("precision.fp8_param=true needs an FP8 recipe (precision.fp8_recipe).")
+        if p.fp8_output_layer:
+            out.append("precision.fp8_output_layer=true needs an FP8 recipe: use precision=fp8_tensorwise "
+                       "(or fp8_rowwise).")
         return out
     if p.params_dtype == "fp32":
         out.append("FP8 training keeps bf16 weights: set precision.params_dtype=bf16.")
     torchao_asked = _torchao_asked(p)
     if torchao_asked:
         out += _torchao_fp8_problems(p, cfg.model, cfg.engine)
+    if p.fp8_output_layer:
+        out += _fp8_output_layer_problems(p, cfg.model, cfg.parallel.tp)
     if cfg.cluster.device != "cuda":
         if p.fp8_backend != "torchao":
             out.append(
@@ -479,6 +484,8 @@ def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
     # Transformer Engine counts only where its layer spec would be built
     te_available = te_available and rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel)
     backend = fp8_backend(p, te_available)
+    if backend == "transformer_engine" and te_available and p.fp8_output_layer:
+        return ["Transformer Engine imports here, so precision.fp8_backend=auto picks it: " + FP8_OUTPUT_LAYER_ON_TE]
     if backend is None or backend == "transformer_engine" and te_available:
         return []
     torchao_asked = _torchao_asked(p)
@@ -519,6 +526,24 @@ def _torchao_fp8_problems(precision, model, engine) -> list[str]:
         out.append("engine.tp_comm_overlap=true does not combine with FP8 through torchao yet "
                    "(the fused ops run bf16 matmuls): turn one off.")
     return out
+
+
+FP8_OUTPUT_LAYER_ON_TE = ("precision.fp8_output_layer=true is built for torchao's FP8; Transformer Engine's "
+                          "output layer stays bf16. Set precision.fp8_backend=torchao (recipe tensorwise or "
+                          "rowwise), or precision.fp8_output_layer=false.")
+
+
+def _fp8_output_layer_problems(precision, model, tp: int) -> list[str]:
+    """The output layer in float8: torchao's only (where `auto` would pick Transformer Engine,
+    the worker's fp8_machine_problems refuses it), and its vocabulary shard a multiple of
+    16 (float8 GEMMs need every dimension so)."""
+    if precision.fp8_backend == "transformer_engine" or precision.fp8_recipe not in TORCHAO_FP8_RECIPES:
+        return [f"recipe '{precision.fp8_recipe}': " + FP8_OUTPUT_LAYER_ON_TE]
+    shard = model.vocab_size // tp
+    if model.vocab_size % tp or shard % 16:
+        return [f"precision.fp8_output_layer=true: each rank's vocabulary shard ({model.vocab_size} / TP {tp}) "
+                "must be a multiple of 16 for float8 GEMMs. Use precision.fp8_output_layer=false."]
+    return []
 
 
 def torchao_available() -> bool:

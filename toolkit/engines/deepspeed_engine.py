@@ -157,7 +157,7 @@ def torch_native_paths(model, cfg) -> str:
     """torchao's float8 linears (precision.fp8_recipe, torchao's tensorwise or rowwise) and
     compiled decoder layers (engine.compile_layers), applied to the Hugging Face model
     before DeepSpeed wraps it; returns what to add to the layer spec's name. The output
-    layer stays in bf16, as on the Megatron engine (its vocabulary matmul is not float8)."""
+    layer stays in bf16 unless precision.fp8_output_layer, as on the Megatron engine."""
     added = ""
     recipe = cfg.precision.fp8_recipe
     if recipe is not None:
@@ -168,8 +168,10 @@ def torch_native_paths(model, cfg) -> str:
         config = Float8LinearConfig.from_recipe_name(recipe)
         if cfg.cluster.device == "cpu":  # float8 arithmetic emulated (no float8 matmul on CPU)
             config = dataclasses.replace(config, emulate=True)
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
-        added += f"+fp8_{recipe}"
+        output_too = cfg.precision.fp8_output_layer
+        convert_to_float8_training(model, config=config,
+                                   module_filter_fn=lambda mod, fqn: output_too or fqn != "lm_head")
+        added += f"+fp8_{recipe}" + ("+fp8_output_layer" if output_too else "")
     if cfg.engine.compile_layers:
         from .megatron_model import raise_recompile_limit
 

@@ -187,6 +187,7 @@ def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> None:
         tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=cfg.cluster.device == "cpu")
         tcfg.gridwright_float8_name = (f"float8_{cfg.precision.fp8_recipe}(torchao"
                                        f"{', emulated' if cfg.cluster.device == 'cpu' else ''})")
+    tcfg.gridwright_float8_output_layer = tcfg.gridwright_float8 is not None and cfg.precision.fp8_output_layer
 
 
 def spec_name(chunks, tcfg, te_available: bool) -> str:
@@ -204,6 +205,8 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+tp_overlap"
     if tcfg.gridwright_float8 is not None:
         name += "+" + tcfg.gridwright_float8_name
+        if any(is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process):
+            name += "+float8_output_layer"
     if tcfg.bias_activation_fusion and tcfg.cross_entropy_loss_fusion:
         name += "+fused(swiglu,cross_entropy)"
     if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
@@ -311,5 +314,15 @@ def build_model_chunks(model, parallel, tcfg, te_available: bool) -> list:
             rope_scaling_factor=model.rope_scaling_factor or 8.0,
             vp_stage=stage,
         )
+        if chunk.post_process and getattr(tcfg, "gridwright_float8_output_layer", False):
+            from ..megatron_internals.parallel_linear import float8_output_layer
+
+            float8_output_layer(chunk.output_layer)
         chunks.append(chunk)
     return chunks
+
+
+def is_float8_output_layer(layer) -> bool:
+    from ..megatron_internals.parallel_linear import GridwrightColumnParallelLinear
+
+    return isinstance(layer, GridwrightColumnParallelLinear)

@@ -190,6 +190,16 @@ class GridwrightColumnParallelLinear(ColumnParallelLinear):
         return out if bias is None else out + bias
 
 
+def float8_output_layer(layer: ColumnParallelLinear) -> None:
+    """Run a GPTModel's output layer through the float8 matmul (precision.fp8_output_layer).
+    GPTModel builds it as Megatron-Core's ColumnParallelLinear with no spec to name another
+    class, so its class is switched in place to the subclass, which adds no state:
+    parameters, names and checkpoints stay the same."""
+    if type(layer) is not ColumnParallelLinear:
+        raise TypeError(f"expected Megatron-Core's ColumnParallelLinear as the output layer, got {type(layer)}")
+    layer.__class__ = GridwrightColumnParallelLinear
+
+
 class GridwrightRowParallelLinear(RowParallelLinear):
     """Megatron-Core's RowParallelLinear; the matmul (and SP's reduce-scatter) replaced as the
     module docstring says."""

@@ -317,7 +317,8 @@ def build_model_chunks(model, parallel, tcfg, te_available: bool) -> list:
         if chunk.post_process and getattr(tcfg, "gridwright_float8_output_layer", False):
             from ..megatron_internals.parallel_linear import float8_output_layer
 
-            float8_output_layer(chunk.output_layer)
+            emulated = tcfg.gridwright_float8[0].emulate  # CPU: eager, as the tests run it
+            float8_output_layer(chunk.output_layer, compile_matmul=not emulated)
         chunks.append(chunk)
     return chunks
 

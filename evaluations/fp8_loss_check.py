@@ -49,6 +49,11 @@ def main() -> None:
     ap.add_argument("--runs-per-gpu", type=int, default=1, help="runs at once on each GPU (losses only)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     args = ap.parse_args()
+    bad = [r for r in args.recipes if r.partition("+")[2] not in ("", "output")]
+    if bad or args.runs_per_gpu < 1:
+        what = f"recipe {bad[0]!r} (a recipe, or recipe+output)" if bad else "--runs-per-gpu below 1"
+        print(f"error: {what}", file=sys.stderr)
+        sys.exit(2)
     card, jobs = torch.cuda.get_device_name(0), Path(tempfile.mkdtemp(prefix="fp8_loss_"))
     precisions = ["bf16"] + [f"fp8_{r}" for r in args.recipes]
     slots = torch.cuda.device_count() * args.runs_per_gpu

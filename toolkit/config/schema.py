@@ -301,10 +301,11 @@ class EngineConfig:
     # recompute and on CPU (gridwright.engines.megatron_rules).
     cuda_graphs: str = choice("none", CudaGraphs)
     # Megatron-Core's own fused kernels that need no Transformer Engine or Apex: SwiGLU
-    # (bias_activation_fusion) and the vocabulary cross-entropy (cross_entropy_loss_fusion,
-    # native), each a torch.compile'd function (megatron.core.jit). Fewer launches and
-    # memory passes, with the unfused arithmetic. None: on for CUDA, off on CPU (where
-    # inductor's C++ build costs each run tens of seconds).
+    # (bias_activation_fusion) and, with bf16 weights only, the vocabulary cross-entropy
+    # (cross_entropy_loss_fusion, native; its backward casts the logits' gradient to bf16),
+    # each a torch.compile'd function (megatron.core.jit). Fewer launches and memory
+    # passes. None: on for CUDA, off on CPU (where inductor's C++ build costs each run tens
+    # of seconds).
     fused_kernels: Optional[bool] = None
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,

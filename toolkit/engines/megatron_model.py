@@ -23,6 +23,20 @@ def fused_kernels(cfg) -> bool:
     return cfg.cluster.device != "cpu" if chosen is None else bool(chosen)
 
 
+def fused_cross_entropy(cfg) -> bool:
+    """The fused cross-entropy only for bf16 weights: its backward returns the logits'
+    gradient cast to bf16 (megatron/core/fusions/fused_cross_entropy.py), which in an fp32
+    or fp16 run would round it silently (6.7e-4 relative in fp32, measured)."""
+    return fused_kernels(cfg) and cfg.precision.params_dtype == "bf16"
+
+
+def fusions_name(tcfg) -> str:
+    """The spec name's part for Megatron-Core's fusions, e.g. "+fused(swiglu,cross_entropy)"."""
+    parts = [name for name, on in (("swiglu", tcfg.bias_activation_fusion),
+                                   ("cross_entropy", tcfg.cross_entropy_loss_fusion)) if on]
+    return f"+fused({','.join(parts)})" if parts else ""
+
+
 def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
     """Keyword arguments for megatron.core.transformer.TransformerConfig. FP8 appears in
     them only when Transformer Engine runs it; torchao's FP8 lives in the layers
@@ -57,7 +71,7 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         # Megatron-Core's torch.compile'd fusions (engine.fused_kernels); the ones below them
         # need Apex or TE kernels, so the torch paths run instead.
         bias_activation_fusion=fused_kernels(cfg),
-        cross_entropy_loss_fusion=fused_kernels(cfg),
+        cross_entropy_loss_fusion=fused_cross_entropy(cfg),
         cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -207,8 +221,7 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+" + tcfg.gridwright_float8_name
         if any(is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process):
             name += "+float8_output_layer"
-    if tcfg.bias_activation_fusion and tcfg.cross_entropy_loss_fusion:
-        name += "+fused(swiglu,cross_entropy)"
+    name += fusions_name(tcfg)
     if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
         name += "+cp_a2a"
     if tcfg.cuda_graph_impl == "local":

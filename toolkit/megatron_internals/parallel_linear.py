@@ -23,6 +23,8 @@ Megatron-Core's parallel linears are not `nn.Linear`.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -206,14 +208,10 @@ def float8_output_layer(layer: ColumnParallelLinear, compile_matmul: bool) -> No
     layer.gridwright_compile_matmul = compile_matmul
 
 
-_COMPILED = {}
-
-
+@functools.cache
 def _compiled_matmul():
     """`_matmul` through torch.compile, made once per process (one output layer shape)."""
-    if "matmul" not in _COMPILED:
-        _COMPILED["matmul"] = torch.compile(_matmul)
-    return _COMPILED["matmul"]
+    return torch.compile(_matmul)
 
 
 class GridwrightRowParallelLinear(RowParallelLinear):

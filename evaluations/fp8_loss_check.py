@@ -2,14 +2,17 @@
 
     python -m gridwright.evaluations.fp8_loss_check [--steps 200] [--recipes tensorwise rowwise]
         [--global-batch-size 8] [--lr 3e-4] [--data PREFIX] [--model llama3_8b --layers 8]
-        [--runs-per-gpu 1]
+        [--runs-per-gpu 1] [--seeds 1234 1 2]
 
 Runs the bench model once per precision, one GPU each at once (GPU 0 bf16, GPU 1 the first
 FP8 recipe, and so on), in waves when there are more precisions than GPUs; a recipe written
 `tensorwise+output` also puts the output layer in float8 (precision.fp8_output_layer).
 `--runs-per-gpu K` runs K at once on each GPU: the losses are the same, the speeds then
-are not comparable and the table leaves them out. All runs are compiled (torchao's float8
-casts are fast only compiled), from the same seed and data, and it writes a table of the mean loss of the
+are not comparable and the table leaves them out. `--seeds` runs every precision once per
+seed (train.seed sets the weights and the data order): FP8 against bf16 then rests on a mean
+over seeds and on each seed's difference from bf16 of the same seed, not on one run, whose
+final loss moves by percents between repeats. All runs are compiled (torchao's float8
+casts are fast only compiled), each seed's runs from the same weights and data; it writes a table of the mean loss of the
 last 10 steps, its difference from bf16, and tokens/s against bf16, then the loss curves
 (mean of each tenth of the run). `--data` trains on a dataset made by
 `python -m gridwright.data.prepare_data` (real text, whose loss does not fall towards
@@ -29,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gridwright.config.schema import TrainConfig
 from gridwright.evaluations.results_file import write_markdown
 from gridwright.runtime.jobdir import read_metrics
 
@@ -47,6 +51,8 @@ def main() -> None:
     ap.add_argument("--model", help="a model config (conf/model) in place of the bench model")
     ap.add_argument("--layers", type=int, help="model.num_layers")
     ap.add_argument("--runs-per-gpu", type=int, default=1, help="runs at once on each GPU (losses only)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[TrainConfig.seed],
+                    help="train.seed of each precision's runs; several give a mean and a spread")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
     args = ap.parse_args()
     bad = [r for r in args.recipes if r.partition("+")[2] not in ("", "output")]
@@ -56,68 +62,95 @@ def main() -> None:
         sys.exit(2)
     card, jobs = torch.cuda.get_device_name(0), Path(tempfile.mkdtemp(prefix="fp8_loss_"))
     precisions = ["bf16"] + [f"fp8_{r}" for r in args.recipes]
+    runs = [(precision, seed) for seed in args.seeds for precision in precisions]  # a wave holds whole seeds
     slots = torch.cuda.device_count() * args.runs_per_gpu
-    rows = {}
-    for wave in range(0, len(precisions), slots):
-        rows |= run_wave(precisions[wave:wave + slots], args, card, jobs)
-    base = rows.get("bf16")
-    speeds = args.runs_per_gpu == 1
-    what = " ".join(shape_and_data(args)) or "bench model, synthetic tokens"
-    sharing = "" if speeds else f"; {args.runs_per_gpu} runs at once on each GPU, so no speeds"
-    lines = [f"GPU: {card} (runs side by side{sharing}), torch {torch.__version__}; {what}, sequence 4096, "
-             f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
-             f"{args.steps} steps, compiled layers", "",
-             "| precision | spec | mean loss, last 10 steps | vs bf16 | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for precision in precisions:
-        r = rows.get(precision)
-        if r is None:
-            lines.append(f"| {precision} | failed | | | | | |")
-            continue
-        rel = f"{(r['loss10'] / base['loss10'] - 1):+.2%}" if base else ""
-        speed = f"{r['tokens'] / base['tokens']:.2f}x" if base and speeds else ""
-        mfu = "n/a" if r["mfu"] is None or not speeds else f"{r['mfu']:.1%}"
-        tokens = f"{r['tokens']:,.0f}" if speeds else "shared GPU"
-        lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {tokens} | {speed} | {mfu} |")
-    logged = min((len(r["losses"]) for r in rows.values()), default=0)  # the same for every run of one call
-    lines += ["", "Loss curve (mean over each tenth of the run):", "",
-              "| precision | " + " | ".join(f"steps {a}-{b}" for a, b in tenths(logged)) + " |",
-              "| --- " * (1 + len(tenths(logged))) + "|"]
-    lines += [f"| {p} | " + " | ".join(f"{v:.3f}" for v in loss_curve(rows[p]["losses"][:logged])) + " |"
-              for p in precisions if p in rows]
-    text = "\n".join(lines)
+    results = {}
+    for wave in range(0, len(runs), slots):
+        results |= run_wave(runs[wave:wave + slots], args, card, jobs)
+    text = report(precisions, results, args, card, torch.__version__)
     print(text, flush=True)
     write_markdown(args.out, "fp8_loss_check", "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]),
                    text)
 
 
-def run_wave(precisions: list[str], args, card: str, jobs: Path) -> dict:
-    """Run these precisions at once, spread over the GPUs; their rows by precision."""
+def report(precisions: list[str], results: dict, args, card: str, torch_version: str) -> str:
+    """The table (each precision's loss as a mean over seeds, each seed's loss, and each seed's
+    difference from bf16 of the same seed, which shares its weights and data order) and the curves."""
+    speeds = args.runs_per_gpu == 1
+    what = " ".join(shape_and_data(args)) or "bench model, synthetic tokens"
+    sharing = "" if speeds else f"; {args.runs_per_gpu} runs at once on each GPU, so no speeds"
+    seeds = ", ".join(map(str, args.seeds))
+    lines = [f"GPU: {card} (runs side by side{sharing}), torch {torch_version}; {what}, sequence 4096, "
+             f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
+             f"{args.steps} steps, compiled layers, seeds {seeds} (train.seed: weights and data order)", "",
+             "| precision | spec | mean loss, last 10 steps (mean over seeds) | vs bf16 | by seed | vs bf16 of the "
+             "same seed | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = mean_row([results.get(("bf16", seed)) for seed in args.seeds])
+    for precision in precisions:
+        own = [results.get((precision, seed)) for seed in args.seeds]
+        r = mean_row(own)
+        if r is None:
+            lines.append(f"| {precision} | failed | | | | | | | |")
+            continue
+        rel = f"{(r['loss10'] / base['loss10'] - 1):+.2%}" if base else ""
+        by_seed = " / ".join("failed" if o is None else f"{o['loss10']:.4f}" for o in own)
+        paired = " / ".join("" if o is None or b is None else f"{o['loss10'] / b['loss10'] - 1:+.2%}"
+                            for o, b in zip(own, (results.get(("bf16", seed)) for seed in args.seeds)))
+        speed = f"{r['tokens'] / base['tokens']:.2f}x" if base and speeds else ""
+        mfu = "n/a" if r["mfu"] is None or not speeds else f"{r['mfu']:.1%}"
+        tokens = f"{r['tokens']:,.0f}" if speeds else "shared GPU"
+        lines.append(f"| {precision} | {r['spec']} | {r['loss10']:.4f} | {rel} | {by_seed} | {paired} | {tokens} "
+                     f"| {speed} | {mfu} |")
+    logged = min((len(r["losses"]) for r in results.values()), default=0)  # the same for every run of one call
+    lines += ["", "Loss curve (mean over each tenth of the run, and over seeds):", "",
+              "| precision | " + " | ".join(f"steps {a}-{b}" for a, b in tenths(logged)) + " |",
+              "| --- " * (1 + len(tenths(logged))) + "|"]
+    for precision in precisions:
+        curves = [loss_curve(r["losses"][:logged]) for (p, _), r in results.items() if p == precision]
+        if curves:
+            lines.append(f"| {precision} | " + " | ".join(f"{sum(c) / len(curves):.3f}" for c in zip(*curves)) + " |")
+    return "\n".join(lines)
+
+
+def mean_row(rows: list[dict | None]) -> dict | None:
+    """The mean of a precision's runs over seeds; None where any seed failed (a mean over fewer
+    seeds than bf16's would not compare)."""
+    if not rows or any(r is None for r in rows):
+        return None
+    mfus = [r["mfu"] for r in rows]
+    return dict(loss10=sum(r["loss10"] for r in rows) / len(rows), tokens=sum(r["tokens"] for r in rows) / len(rows),
+                mfu=None if None in mfus else sum(mfus) / len(mfus), spec=rows[0]["spec"])
+
+
+def run_wave(runs: list[tuple[str, int]], args, card: str, jobs: Path) -> dict:
+    """Run these (precision, seed) pairs at once, spread over the GPUs; their rows by pair."""
     import torch
 
     procs = {}
-    for slot, precision in enumerate(precisions):
+    for slot, (precision, seed) in enumerate(runs):
         recipe_preset, _, output = precision.partition("+")
+        job = jobs / f"{precision.replace('+', '_')}_seed{seed}"
         cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={recipe_preset}", "tracking=off",
                f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
-               f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20",
+               f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20", f"train.seed={seed}",
                "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}",
-               f"job_dir={jobs / precision.replace('+', '_')}", *shape_and_data(args),
+               f"job_dir={job}", *shape_and_data(args),
                *(["precision.fp8_output_layer=true"] if output == "output" else [])]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot % torch.cuda.device_count())}
         print("+", " ".join(cmd), flush=True)
-        procs[precision] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs[(precision, seed)] = job, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                                         stderr=subprocess.STDOUT, text=True)
     rows = {}
-    for precision, proc in procs.items():
+    for run, (job, proc) in procs.items():
         out = proc.communicate()[0]
         if proc.returncode:
             print(out[-4000:], flush=True)
             continue
-        job = jobs / precision.replace("+", "_")
         s = json.loads((job / "summary.json").read_text())
         losses = [record["loss"] for record in read_metrics(job)]
-        rows[precision] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
-                               spec=s.get("layer_spec"), losses=losses)
+        rows[run] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
+                         spec=s.get("layer_spec"), losses=losses)
     return rows
 
 

@@ -49,6 +49,29 @@ def test_fp8_loss_check_runs_validate_on_real_text_and_the_8b_shape(compose, tmp
         assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 4096 and cfg.data.kind == "indexed"
 
 
+def test_fp8_loss_check_compares_means_over_seeds_and_each_seed_with_its_bf16():
+    """With several seeds, a precision's loss is the mean over its seeds, its difference from
+    bf16 is the means', and each seed is also compared with bf16 of the same seed; a seed that
+    failed leaves that precision's mean out rather than averaging fewer runs."""
+    import argparse
+
+    from gridwright.evaluations.fp8_loss_check import report
+
+    def run(loss, tokens):
+        return dict(loss10=loss, tokens=tokens, mfu=0.4, spec="local", losses=[loss + 1] * 5 + [loss] * 5)
+
+    results = {("bf16", 1): run(2.0, 100.0), ("bf16", 2): run(1.0, 300.0),
+               ("fp8_tensorwise", 1): run(2.2, 150.0), ("fp8_tensorwise", 2): run(0.9, 250.0),
+               ("fp8_rowwise", 1): run(2.0, 100.0)}
+    args = argparse.Namespace(seeds=[1, 2], runs_per_gpu=1, model=None, layers=None, data=None,
+                              global_batch_size=8, lr=3e-4, steps=10)
+    text = report(["bf16", "fp8_tensorwise", "fp8_rowwise"], results, args, "H200", "2.11")
+    assert "| bf16 | local | 1.5000 | +0.00% | 2.0000 / 1.0000 | +0.00% / +0.00% | 200 | 1.00x | 40.0% |" in text
+    assert "| fp8_tensorwise | local | 1.5500 | +3.33% | 2.2000 / 0.9000 | +10.00% / -10.00% | 200 | 1.00x |" in text
+    assert "| fp8_rowwise | failed |" in text
+    assert "| fp8_tensorwise | 2.550 | 2.550 | 2.550 | 2.550 | 2.550 | 1.550 |" in text  # curve: mean over seeds
+
+
 def test_a_timed_out_case_leaves_no_process_behind():
     """bench_gpu's case timeout stops the case's whole process tree before the next case
     starts (a launcher's workers would otherwise still hold the GPUs)."""

@@ -364,6 +364,11 @@ SPEED_NOTES = {
     "cp_packed": (GPU2 + ["parallel.cp=2", "data.packing=true"], None),  # a2a is refused with packing
     "tp_sp_on_cpu": (["+experiment=tiny_llama_tp2", "parallel.sp=true"], None),
     "tp_without_sp": (GPU2 + ["parallel.tp=2"], None),  # async TP needs SP
+    # torchao's tensorwise FP8 (auto picks it: Transformer Engine is not installed here)
+    "fp8_tensorwise": (GPU2 + ["precision=fp8_tensorwise"], "precision.fp8_output_layer=true"),
+    "fp8_output_chosen": (GPU2 + ["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], None),
+    "fp8_rowwise": (GPU2 + ["precision=fp8_rowwise"], None),
+    "fp8_te_told": (GPU2 + ["precision=fp8_tensorwise", "precision.fp8_backend=transformer_engine"], None),
 }
 
 

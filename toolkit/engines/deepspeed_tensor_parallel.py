@@ -119,7 +119,7 @@ class DeepSpeedTensorParallelTrainer:
         from megatron.core.transformer import TransformerConfig
 
         from .megatron_groups import init_parallel
-        from .megatron_model import build_model_chunks, fusions_name, transformer_config_kwargs
+        from .megatron_model import build_model_chunks, spec_name, transformer_config_kwargs
 
         self.cfg, self.layout = cfg, layout
         on_cpu = cfg.cluster.device == "cpu"
@@ -148,7 +148,7 @@ class DeepSpeedTensorParallelTrainer:
         self.data = make_source(cfg.data, cfg.train, cfg.model, data_cache_dir)
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_logging_rank = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
-        self.spec_name = "local+sdpa" + fusions_name(tcfg)
+        self.spec_name = spec_name([model], tcfg, te_available=False)
 
     def run_facts(self) -> dict:
         return {}

@@ -214,10 +214,10 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
     if layers and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers):
         name += "+compiled"
     # The torch-native spec always holds gridwright's linears (layer_spec); these flags are
-    # what they read.
-    if tcfg.gridwright_tp_comm_overlap:
+    # what they read (unset where choose_torch_native_paths did not run: DeepSpeed's TP).
+    if getattr(tcfg, "gridwright_tp_comm_overlap", False):
         name += "+tp_overlap"
-    if tcfg.gridwright_float8 is not None:
+    if getattr(tcfg, "gridwright_float8", None) is not None:
         name += "+" + tcfg.gridwright_float8_name
         if any(is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process):
             name += "+float8_output_layer"

@@ -107,4 +107,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from gridwright.process_exit import skip_final_collection
+
     main()
+    skip_final_collection()

@@ -471,4 +471,8 @@ class JobRun:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gridwright.process_exit import skip_final_collection
+
+    code = main()
+    skip_final_collection()
+    sys.exit(code)

@@ -17,6 +17,7 @@ from .config.compose import composition_notes, strip_hydra
 from .config.speed_notes import speed_notes
 from .config.override_errors import command_line_error, unknown_key_message
 from .atomic_io import unwritable_reason, write_text_atomic
+from .process_exit import skip_final_collection
 from .checkpoints.checkpoint_dir import nothing_to_resume
 from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir,
                              planned_job_dir, read_json, same_job)
@@ -280,4 +281,7 @@ def main() -> None:
             print(f"sweep point {num} ended with exit code {outcome.exit_code}", file=sys.stderr)
         return outcome
 
-    _main()
+    try:
+        _main()
+    finally:  # hydra.main ends the process itself (sys.exit)
+        skip_final_collection()

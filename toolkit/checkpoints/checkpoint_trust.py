@@ -320,4 +320,9 @@ if __name__ == "__main__":  # python -m gridwright.checkpoints.checkpoint_trust 
     guard_process()
     target = sys.argv[1]
     sys.argv = [target, *sys.argv[2:]]
-    runpy.run_module(target, run_name="__main__", alter_sys=True)
+    from gridwright.process_exit import skip_final_collection
+
+    try:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    finally:
+        skip_final_collection()

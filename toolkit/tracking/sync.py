@@ -79,4 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gridwright.process_exit import skip_final_collection
+
+    code = main()
+    skip_final_collection()
+    sys.exit(code)

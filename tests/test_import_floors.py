@@ -3,7 +3,7 @@ inside a function, and no modules import each other in a circle.
 
     floor 0  plain values: the schema, composition, planning (layout, placement, parameter
              counts, FLOPs, memory, communication), the version fences, the families'
-             declarations, the job directory's small files. None of them imports torch,
+             declarations, the job directory's small files, the process exit. None of them imports torch,
              DeepSpeed, Megatron-Core, MLflow or transformers, at any depth: planning stays
              fast and works on a broken install.
     floor 1  validation and the readers it calls (checkpoints, datasets, Hugging Face
@@ -26,7 +26,7 @@ import pytest
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Every installed package (gridwright.conf holds YAML only).
 PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
-FLOOR_0 = ("gridwright.atomic_io", "gridwright.config.schema", "gridwright.config.compose", "gridwright.planning.layout",
+FLOOR_0 = ("gridwright.atomic_io", "gridwright.process_exit", "gridwright.config.schema", "gridwright.config.compose", "gridwright.planning.layout",
            "gridwright.planning.placement", "gridwright.planning.model_math", "gridwright.planning.memory_estimate",
            "gridwright.planning.comm_model", "gridwright.planning.disk_space", "gridwright.planning.plan",
            "gridwright.versions", "gridwright.families.declaration",

@@ -107,7 +107,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import skip_final_collection
+    from gridwright.process_exit import exit_without_final_collection
 
-    main()
-    skip_final_collection()
+    exit_without_final_collection(main())

@@ -86,7 +86,8 @@ def report(precisions: list[str], results: dict, args, card: str, torch_version:
              "| precision | spec | mean loss, last 10 steps (mean over seeds) | vs bf16 | by seed | vs bf16 of the "
              "same seed | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    base = mean_row([results.get(("bf16", seed)) for seed in args.seeds])
+    bf16_runs = [results.get(("bf16", seed)) for seed in args.seeds]
+    base = mean_row(bf16_runs)
     for precision in precisions:
         own = [results.get((precision, seed)) for seed in args.seeds]
         r = mean_row(own)
@@ -96,7 +97,7 @@ def report(precisions: list[str], results: dict, args, card: str, torch_version:
         rel = f"{(r['loss10'] / base['loss10'] - 1):+.2%}" if base else ""
         by_seed = " / ".join("failed" if o is None else f"{o['loss10']:.4f}" for o in own)
         paired = " / ".join("" if o is None or b is None else f"{o['loss10'] / b['loss10'] - 1:+.2%}"
-                            for o, b in zip(own, (results.get(("bf16", seed)) for seed in args.seeds)))
+                            for o, b in zip(own, bf16_runs))
         speed = f"{r['tokens'] / base['tokens']:.2f}x" if base and speeds else ""
         mfu = "n/a" if r["mfu"] is None or not speeds else f"{r['mfu']:.1%}"
         tokens = f"{r['tokens']:,.0f}" if speeds else "shared GPU"

@@ -13,8 +13,16 @@ the operating system, which reclaims the whole process anyway.
 from __future__ import annotations
 
 import gc
+import sys
+from typing import NoReturn
 
 
 def skip_final_collection() -> None:
     """Call last, just before the process exits: nothing collected after this."""
     gc.freeze()
+
+
+def exit_without_final_collection(code: int | None = None) -> NoReturn:
+    """`sys.exit(code)` for a command's `__main__`, skipping the final collection."""
+    skip_final_collection()
+    sys.exit(code)

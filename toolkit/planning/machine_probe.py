@@ -99,7 +99,7 @@ def probe(transformer_engine: bool = False) -> MachineFacts:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import skip_final_collection
+    from gridwright.process_exit import exit_without_final_collection
 
     print(json.dumps(_facts_here(sys.argv[1:] == ["te"])))
-    skip_final_collection()
+    exit_without_final_collection()

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 
 from ..atomic_io import write_text_atomic
-from ..process_exit import skip_final_collection
+from ..process_exit import exit_without_final_collection
 from ..checkpoints.checkpoint_dir import hold_writer_lock, latest_checkpoint
 from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
 from .jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
@@ -376,7 +376,6 @@ def evaluate_communication(job_dir: Path) -> dict:
 
 if __name__ == "__main__":
     code = main()
-    skip_final_collection()
     if _LEAVE_GROUPS_TO_EXIT:
         exit_leaving_groups(code)
-    sys.exit(code)
+    exit_without_final_collection(code)

@@ -79,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import skip_final_collection
+    from gridwright.process_exit import exit_without_final_collection
 
-    code = main()
-    skip_final_collection()
-    sys.exit(code)
+    exit_without_final_collection(main())

@@ -57,8 +57,11 @@ DP2_OVERLAP = BENCH_2GPU + ["engine.overlap_grad_reduce=true", "engine.overlap_p
 # pre-hooks run inside compiled layers and make every layer compile its own graph.
 DP2_OVERLAP_GRAD = BENCH_2GPU + ["engine.overlap_grad_reduce=true"]
 MB4 = ["train.micro_batch_size=4"]
-# The base cases run as gridwright did before Megatron-Core's fusions became the CUDA default.
-UNFUSED = ["engine.fused_kernels=false"]
+# torch's foreach Adam, gridwright's optimizer step before the fused form became the default
+FOREACH_ADAM = ["engine.fused_adam=false"]
+# The base cases run as gridwright did before Megatron-Core's fusions and the fused Adam
+# became the CUDA default.
+UNFUSED = ["engine.fused_kernels=false"] + FOREACH_ADAM
 LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
 TP2_SP = BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]
 # FP8 against bf16 over 200 steps is evaluations/fp8_loss_check.py (one GPU each, side by side).
@@ -67,6 +70,7 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_eager": (1, BENCH_1GPU),  # uncompiled, with Megatron-Core's fused SwiGLU and cross-entropy
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + MB4),
+    "bench_1b_1gpu_mb4_foreach_adam": (1, BENCH_1GPU + FAST + MB4 + FOREACH_ADAM),
     "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
     "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),
@@ -111,6 +115,10 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
         "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
+    # the same two with the optimizer step in torch's foreach form (the 1.29x of 11-29)
+    "llama3_8b_16l_1gpu_mb2_foreach_adam": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + FOREACH_ADAM),
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output_foreach_adam": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
+        "precision=fp8_tensorwise", "precision.fp8_output_layer=true"] + FOREACH_ADAM),
 }.items()}
 ENGINES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_dp2_distopt": (2, BENCH_2GPU + ["zero=stage1", "engine.overlap_grad_reduce=true",

@@ -81,11 +81,11 @@ REFUSALS = {
     "deepspeed_tp_zero3": (["engine=deepspeed", "zero=stage3", "parallel.tp=2"], ["zero.stage=1"], 1),
     # GPU memory: the Fix is a layout that was estimated to fit, never a setting already made
     "gpu_memory": (GPU8 + ["model=llama3_70b", "launcher=plan"],
-                   ["cluster.nodes=4", "parallel.tp=8", "parallel.sp=true", "parallel.pp=2"], 1),
+                   ["train.recompute=full", "cluster.nodes=2", "parallel.tp=8", "parallel.sp=true", "parallel.pp=2"], 1),
     "gpu_memory_recompute_set": (GPU8 + ["model=llama3_70b", "launcher=plan", "train.recompute=full"],
-                                 ["cluster.nodes=4", "parallel.tp=8", "parallel.sp=true", "parallel.pp=2"], 1),
+                                 ["cluster.nodes=2", "parallel.tp=8", "parallel.sp=true", "parallel.pp=2"], 1),
     "moe_memory": (["+experiment=mixtral_ep8", "launcher=plan", "parallel.ep=4", "model.num_layers=32"],
-                   ["cluster.nodes=2", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2"], 1),
+                   ["cluster.nodes=2", "parallel.tp=2", "parallel.sp=true"], 1),
     # dynamic CP: neither a whole 32k row per rank nor half of one fits the 8B shape on an H100; a quarter
     # does, which the Fix names before recompute
     "dynamic_cp_row_share": (["+experiment=bench_gpu", "model=llama3_8b", "model.num_layers=16", "cluster=h100_x4",
@@ -95,7 +95,7 @@ REFUSALS = {
                              ["parallel.max_seqlen_per_rank=8192"], 1),
     # host memory of a CPU launch
     "host_memory_dense": (["model=llama3_8b"], ["model=tiny_llama"], 1),
-    "host_memory_layout": (["model=bench_1b"], ["parallel.tp=2", "parallel.sp=true"], 1),
+    "host_memory_layout": (["model=bench_1b"], ["zero.stage=1"], 1),  # the states sharded over the two processes
     "host_memory_moe": (["+experiment=mixtral_ep8", "cluster=laptop", "parallel.ep=2",
                          "parallel.moe_token_dispatcher=allgather"], ["model=tiny_mixtral", "train.seq_length=256"], 1),
     # NVLink domains

@@ -307,6 +307,12 @@ class EngineConfig:
     # passes. None: on for CUDA, off on CPU (where inductor's C++ build costs each run tens
     # of seconds).
     fused_kernels: Optional[bool] = None
+    # The Adam step in torch's fused form (one pass over the fp32 states and no temporaries)
+    # rather than the foreach form Megatron-Core falls back to without Apex or Transformer
+    # Engine (about ten passes, and a sqrt(v) as large as a parameter group). Both engines,
+    # wherever the optimizer is torch's (DeepSpeed's offload runs its own CPU Adam).
+    # false: the foreach form, for comparison.
+    fused_adam: bool = True
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,
     # whose SP and gradient overlap rely on it to order communication before compute, 8

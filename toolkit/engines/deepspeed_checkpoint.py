@@ -49,7 +49,7 @@ from ..deepspeed_internals import universal
 from ..checkpoints.logits_digest import digest, sample_tokens
 from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
-from .optimizer_schedule import restore_schedule
+from .optimizer_schedule import restore_schedule, set_adam_form
 from .deepspeed_rules import resharding, settings
 
 
@@ -165,5 +165,6 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike,
         raise CheckpointError(f"DeepSpeed could not load {source}")
     if how == "universal" and cfg.zero.stage == 3:
         universal.restore_zero3_param_groups(trainer.engine.optimizer, source)  # DeepSpeed's defects
+    set_adam_form(trainer.engine.optimizer, cfg.engine.fused_adam)  # the loaded groups carry the saver's form
     schedule_change = restore_schedule(trainer.scheduler, common["scheduler"], int(common["step"]))
     return int(common["step"]), path, schedule_change

@@ -30,7 +30,7 @@ from .deepspeed_evaluation import held_out_loss
 from .deepspeed_rules import builds_megatron_model
 from .zero_settings import resolved_zero_settings
 from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
-from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
+from .optimizer_schedule import adamw, lr_scheduler, optimizer_config, param_groups
 from .protocol import Resumed
 from .timeouts import collective_timeout
 
@@ -48,6 +48,7 @@ class DeepSpeedTrainer:
 
     def __init__(self, cfg, layout: ParallelLayout, data_cache_dir):
         import deepspeed
+
         import transformers
 
         self.cfg, self.layout = cfg, layout
@@ -83,8 +84,7 @@ class DeepSpeedTrainer:
         groups = param_groups(model, opt)
         optimizer = None
         if "optimizer" not in ds_cfg:
-            optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
-                                          eps=opt.adam_eps, weight_decay=opt.weight_decay)
+            optimizer = adamw(groups, opt, cfg.engine.fused_adam)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_cfg, model_parameters=groups
         )

@@ -32,7 +32,7 @@ from ..data.data_source import make_source
 from ..deepspeed_internals.engine_state import skipped_steps
 from ..planning.layout import ParallelLayout
 from .deepspeed_evaluation import held_out_loss
-from .optimizer_schedule import lr_scheduler, optimizer_config, param_groups
+from .optimizer_schedule import adamw, lr_scheduler, optimizer_config, param_groups
 
 
 class MegatronCoreGroups:
@@ -139,8 +139,7 @@ class DeepSpeedTensorParallelTrainer:
         self._tp_gradient_hooks = sum_partial_gradients_over_tp(model, tcfg)
         opt = optimizer_config(cfg)
         groups = param_groups(model, opt)
-        optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                      weight_decay=opt.weight_decay)
+        optimizer = adamw(groups, opt, cfg.engine.fused_adam)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, model_parameters=groups, mpu=MegatronCoreGroups())
         self.scheduler = lr_scheduler(cfg.train, self.optimizer)

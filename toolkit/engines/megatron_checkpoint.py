@@ -28,7 +28,7 @@ from ..checkpoints.checkpoint_trust import read_dcp_metadata, refuse_pickled_cod
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
 from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
-from .optimizer_schedule import restore_schedule
+from .optimizer_schedule import restore_schedule, set_adam_form
 
 
 def _layout_signature(layout) -> dict:
@@ -256,6 +256,7 @@ def load(trainer, root: str | os.PathLike, weights_only: bool = False,
         trainer.optimizer.reload_model_params()
         return 0, path, None
     trainer.optimizer.load_state_dict(_match_optimizer_structure(loaded["optimizer"], target_optimizer, path))
+    set_adam_form(trainer.optimizer, trainer.cfg.engine.fused_adam)  # the loaded groups carry the saver's form
     schedule_change = restore_schedule(trainer.scheduler, common["scheduler"], int(common["step"]))
     if same_layout:
         _set_rng_state(loaded["rng"])

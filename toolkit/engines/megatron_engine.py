@@ -27,7 +27,7 @@ from .megatron_model import (
     spec_name,
     transformer_config_kwargs,
 )
-from .optimizer_schedule import lr_scheduler, optimizer_config
+from .optimizer_schedule import lr_scheduler, optimizer_config, set_adam_form
 from .protocol import Resumed
 from .megatron_groups import init_parallel, observed_coordinates
 
@@ -167,6 +167,7 @@ class MegatronTrainer:
         if e.overlap_param_gather and not single and not fsdp:
             self.tcfg.param_sync_func = [m.start_param_sync for m in self.model]
         self.optimizer = get_megatron_optimizer(optimizer_config(cfg), self.model)
+        set_adam_form(self.optimizer, e.fused_adam)
         # The schedule multiplies each micro-batch's loss by the optimizer's loss scale through
         # this hook (fp16); the optimizer divides the gradients by it. Unset, fp16 gradients
         # came out 65,536 times too small (bf16 and fp32 have scale 1).

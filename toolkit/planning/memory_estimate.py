@@ -16,12 +16,13 @@ A planning number, not a measurement. Its terms, per rank of the worst pipeline 
   in flight under 1F1B.
 * logits: three fp32 copies of the logits on the last stage (upcast, softmax kept for
   backward, gradient), as Megatron's unfused vocab-parallel cross-entropy holds them.
-* the optimizer step's temporary: without Apex or Transformer Engine, Megatron-Core falls
-  back to torch's foreach Adam, which allocates sqrt(v) for a whole parameter group (fp32)
-  at once. Activations are freed by then, so the peak is the larger of activations +
-  logits and this temporary. It dominates where optimizer states do (MoE: the expert
-  group of a rank is all its experts when expert-DP is 1): measured on 2 x H200, Mixtral
-  width EP=2 peaked 9 % above the estimate without this term.
+* the optimizer step's temporary, with engine.fused_adam=false only: torch's foreach Adam
+  (Megatron-Core's fallback without Apex or Transformer Engine) allocates sqrt(v) for a
+  whole parameter group (fp32) at once; the fused form allocates nothing. Activations are
+  freed by then, so the peak is the larger of activations + logits and this temporary. It
+  dominates where optimizer states do (MoE: the expert group of a rank is all its experts
+  when expert-DP is 1): measured on 2 x H200, Mixtral width EP=2 (foreach) peaked 9 % above
+  the estimate without this term.
 * a fixed workspace for the CUDA context, communicator buffers and fragmentation.
 
 A CPU run keeps the same terms in host memory, one set per process, with the Python
@@ -142,7 +143,7 @@ def estimate_memory(cfg, layout: ParallelLayout, params: ParamCounts | None = No
         wd, gd, od = _state_bytes(dense, layout.dp * layout.cp, cfg.zero, sharding, sixteen_bit, fp32_grads)
         we, ge, oe = _state_bytes(expert_layer, layout.expert_dp, cfg.zero, sharding, sixteen_bit, fp32_grads)
         sharded = cfg.zero.stage >= 1 and not cfg.zero.offload_optimizer
-        step_temp = 0.0 if cfg.zero.offload_optimizer else 4.0 * max(
+        step_temp = 0.0 if cfg.zero.offload_optimizer or cfg.engine.fused_adam else 4.0 * max(
             dense / (layout.dp * layout.cp if sharded else 1), expert_layer / (layout.expert_dp if sharded else 1))
         est = MemoryEstimate(
             weights_gib=(wd + we) / GIB,

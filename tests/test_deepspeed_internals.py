@@ -118,3 +118,30 @@ def test_importing_the_fence_under_another_deepspeed_exits_with_the_refusal(tmp_
     r = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, env=dict(env, **{OVERRIDE: "1"}))
     assert r.returncode == 0 and r.stdout.strip() == "imported", r.stderr[-2000:]
     assert "WARNING" in r.stderr and "0.20.0" in r.stderr and "untested" in r.stderr
+
+
+def test_an_untested_transformers_is_refused_before_a_deepspeed_run_on_the_hugging_face_model(monkeypatch, compose):
+    """The DeepSpeed engine's Hugging Face models are one transformers release's classes; another
+    is refused in one line at validation (local launch) and again where the job's ranks build."""
+    from gridwright.engines import deepspeed_rules
+    from gridwright.planning.layout import ParallelLayout
+    from gridwright.versions import transformers_version
+
+    monkeypatch.delenv(transformers_version.OVERRIDE, raising=False)
+    assert transformers_version.installed_version() == transformers_version.TESTED
+    line = transformers_version.refusal("4.57.1")
+    assert line.startswith("transformers 4.57.1 is installed; gridwright is tested with transformers==5.24.0 only")
+    with pytest.raises(transformers_version.UntestedTransformers):
+        transformers_version.refuse_untested("4.57.1")
+
+    monkeypatch.setattr(transformers_version, "installed_version", lambda: "4.57.1")
+
+    def refused(*overrides):
+        cfg = compose("engine=deepspeed", "zero=stage1", *overrides)
+        return [p for p in deepspeed_rules.problems(cfg, ParallelLayout.from_config(cfg), for_launch=True)
+                if p.startswith("transformers ")]
+
+    assert len(refused()) == 1
+    assert refused("parallel.tp=2") == []  # Megatron-Core's GPTModel: transformers is not trained
+    monkeypatch.setenv(transformers_version.OVERRIDE, "1")
+    assert refused() == []

@@ -25,6 +25,7 @@ from ..checkpoints.checkpoint_dir import holds_checkpoints
 from ..data.data_source import make_source
 from ..deepspeed_internals.engine_state import data_parallel_group, skipped_steps
 from ..planning.layout import ParallelLayout
+from ..versions import transformers_version
 from .deepspeed_config import deepspeed_config
 from .deepspeed_evaluation import held_out_loss
 from .deepspeed_rules import builds_megatron_model
@@ -49,6 +50,7 @@ class DeepSpeedTrainer:
     def __init__(self, cfg, layout: ParallelLayout, data_cache_dir):
         import deepspeed
 
+        transformers_version.refuse_untested()  # where the job runs, whose transformers may not be the planner's
         import transformers
 
         self.cfg, self.layout = cfg, layout

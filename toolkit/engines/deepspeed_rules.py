@@ -82,7 +82,7 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
         out.append("data.packing with engine=deepspeed: packed documents (attention inside each document) are "
                    "built for Megatron-Core's GPTModel only. Fix: engine=megatron.")
     if for_launch and cfg.launcher.name == "local":
-        out += _machine_problems(cfg.cluster, cfg.precision)
+        out += _machine_problems(cfg.cluster, cfg.precision, megatron_model)
     return out
 
 
@@ -215,14 +215,12 @@ def _feature_problems(engine, precision, zero, layout, megatron_model: bool) -> 
     return out
 
 
-def _machine_problems(cluster, precision) -> list[str]:
-    from ..versions.deepspeed_version import refusal
+def _machine_problems(cluster, precision, megatron_model: bool) -> list[str]:
     from ..planning.machine_probe import probe
+    from ..versions import deepspeed_version, transformers_version
 
-    out = []
-    problem = refusal()
-    if problem:
-        out.append(problem)
+    fences = [deepspeed_version] + ([] if megatron_model else [transformers_version])
+    out = [problem for problem in (fence.refusal() for fence in fences) if problem]
     if cluster.device == "cpu" and precision.params_dtype == "fp16" and not probe().cpu_fp16:
         out.append("engine=deepspeed with precision=fp16 on CPU needs fp16 support in oneDNN (AVX512-FP16 or "
                    "AMX-FP16), which this CPU lacks: DeepSpeed's CPU accelerator refuses fp16 here. "

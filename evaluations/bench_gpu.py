@@ -181,6 +181,11 @@ ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_tp2_sp_distopt": (2, BENCH_2GPU + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]),
     "bench_1b_ds_zero1_tp2_sp_deepspeed_buckets": (2, BENCH_2GPU + DS + ["zero=stage1", "parallel.tp=2", "parallel.sp=true"]
                                                    + DS_BUCKETS),
+    # the Adam step's two forms under ZeRO on one GPU (the client optimizer DeepSpeed wraps)
+    "bench_1b_1gpu_ds_zero1": (1, BENCH_1GPU + DS + ["zero=stage1"]),
+    "bench_1b_1gpu_ds_zero1_foreach_adam": (1, BENCH_1GPU + DS + ["zero=stage1"] + FOREACH_ADAM),
+    "bench_1b_1gpu_ds_zero3": (1, BENCH_1GPU + DS + ["zero=stage3"]),
+    "bench_1b_1gpu_ds_zero3_foreach_adam": (1, BENCH_1GPU + DS + ["zero=stage3"] + FOREACH_ADAM),
 }.items()}
 # Variable-length documents: rows of 32k tokens packed with whole documents of a
 # long-tailed length mix (lognormal, median 1k, sigma 1.5, capped at the row: about 10

@@ -20,6 +20,7 @@ from ..engines.registry import is_known, rules
 from ..data.packing import longest_document
 from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout, max_seqlen_per_rank
+from .fp8_choice import fp8_backend
 from .schema import declared_choices
 from ..planning.machine_probe import host_memory_bytes, probe
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
@@ -414,16 +415,6 @@ def check_batch(train, layout: ParallelLayout) -> list[str]:
             f"Fix: train.global_batch_size={-(-train.global_batch_size // unit) * unit} (a multiple of {unit})."
         ]
     return []
-
-
-def fp8_backend(precision, te_available: bool):
-    """Whose FP8 runs: "transformer_engine", "torchao", or None (no FP8). `auto` takes
-    Transformer Engine where it imports, else torchao; rowwise exists only in torchao."""
-    if precision.fp8_recipe is None:
-        return None
-    if precision.fp8_backend == "auto":
-        return "transformer_engine" if te_available and precision.fp8_recipe != "rowwise" else "torchao"
-    return precision.fp8_backend
 
 
 def check_precision(cfg, for_launch: bool) -> list[str]:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
-from ..config.validation import fp8_backend
+from ..config.fp8_choice import fp8_backend
 from . import torch_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -2,6 +2,7 @@
 Torch-free (validation and planning import it); see `protocol`."""
 from __future__ import annotations
 
+from ..config.fp8_choice import fp8_backend
 from .protocol import Capabilities, Recipe, StateSharding
 from .zero_settings import explicit_deepspeed_only_keys
 
@@ -38,17 +39,18 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
         out.append(TP_SP_RECIPE)
     if layout.cp > 1 and cfg.parallel.cp_mode == "static":
         out.append(CP_RECIPE)
-    if cfg.precision.fp8_recipe == "tensorwise" and _fp8_through_torchao(cfg.precision.fp8_backend):
+    if cfg.precision.fp8_recipe == "tensorwise" and _fp8_backend_planned(cfg.precision) == "torchao":
         out.append(FP8_OUTPUT_RECIPE)
     return out
 
 
-def _fp8_through_torchao(backend: str) -> bool:
-    """Whether FP8 runs through torchao: told so, or `auto` where Transformer Engine is not
-    installed (where it is, `auto` picks it at start and the float8 output layer is refused)."""
+def _fp8_backend_planned(precision) -> str | None:
+    """Whose FP8 the run will get, taking Transformer Engine as available where it is
+    installed: a plan does not import it (seconds), and where it is installed but does not
+    import the note is left out rather than wrongly given."""
     import importlib.util
 
-    return backend == "torchao" or backend == "auto" and importlib.util.find_spec("transformer_engine") is None
+    return fp8_backend(precision, te_available=importlib.util.find_spec("transformer_engine") is not None)
 
 
 def state_sharding(zero) -> StateSharding:

@@ -71,6 +71,7 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + MB4),
     "bench_1b_1gpu_mb4_foreach_adam": (1, BENCH_1GPU + FAST + MB4 + FOREACH_ADAM),
+    "bench_1b_1gpu_mb8": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=8"]),
     "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
     "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),

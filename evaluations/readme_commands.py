@@ -37,7 +37,16 @@ from pathlib import Path
 
 from gridwright.atomic_io import write_text_atomic
 
-REPO = Path(__file__).resolve().parents[1]
+
+def _checkout() -> Path:
+    """The checkout whose pages run: the one this module lies in (an editable install), or,
+    where gridwright is installed from a wheel (as on the GPU machines, whose copy of the
+    working tree is the current directory), the current directory."""
+    mine = Path(__file__).resolve().parents[1]
+    return mine if (mine / "README.md").is_file() else Path.cwd()
+
+
+REPO = _checkout()
 GPU_MARK = "GPU machine"
 PLACEHOLDER = "<time>-<id>"
 COMMENT = re.compile(r"\s+#\s")

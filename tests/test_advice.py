@@ -74,6 +74,7 @@ REFUSALS = {
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["parallel.moe_token_dispatcher=allgather"], 1),
     "megatron_stage3_on_cpu": (["zero=stage3"], ["zero.stage=1"], 1),
     "megatron_offload": (["zero=stage2_offload"], ["engine=deepspeed"], 1),
+    "megatron_fsdp_one_rank": (["+experiment=bench_gpu", "zero=stage3", "launcher=plan"], ["zero.stage=1"], 1),
     "megatron_overlap_param_gather_zero0": (["zero=stage0", "engine.overlap_param_gather=true"], ["zero.stage=1"], 1),
     "deepspeed_zero0_bf16": (["engine=deepspeed", "zero=stage0", "precision=bf16"], ["zero.stage=1"], 1),
     "deepspeed_selective_recompute": (["engine=deepspeed", "zero=stage1", "train.recompute=selective"],

@@ -77,6 +77,18 @@ def zero_settings(zero, cluster) -> None:
     return None
 
 
+# Measured on 1 x H200 (evaluations/results/bench_gpu_1xh200_20261129-0815.md and the same
+# bench shape's ZeRO rows in -0751): Megatron-FSDP over one data-parallel rank, 8 micro-batches
+# a step, ended 14 steps at a mean loss of 10.16 for the last 10, where DeepSpeed ZeRO-1 and
+# ZeRO-3 ended at 8.82; with one micro-batch a step it followed the distributed optimizer
+# within 0.03. Over two ranks (4 micro-batches each) it learned (2 x H200, 11-27). Cause not
+# traced; with one rank there is nothing to shard, so the refusal costs nothing.
+FSDP_ONE_RANK_ACCUMULATING = (
+    "zero.stage=3 (Megatron-FSDP) over one data-parallel rank with several micro-batches a step did not learn "
+    "on GPU (mean loss 10.16 against 8.82 after 14 steps of the bench model, 1 x H200), and one rank has "
+    "nothing to shard. Fix: zero.stage=1, or more data-parallel ranks.")
+
+
 def problems(cfg, layout, for_launch: bool) -> list[str]:
     z, out = cfg.zero, []
     if z.stage == 3 and cfg.cluster.device != "cuda":
@@ -87,6 +99,8 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
         out.append(
             "checkpoints under Megatron-FSDP (zero.stage=3) use another format (fsdp_dtensor) that "
             "gridwright does not write yet. Fix: zero.stage=1 or 2 for checkpointed runs.")
+    if z.stage == 3 and layout.dp * layout.cp == 1 and layout.accumulation(cfg.train) > 1:
+        out.append(FSDP_ONE_RANK_ACCUMULATING)
     if z.offload_optimizer or z.offload_params:
         offload_off = " ".join(f"zero.{k}=false" for k in ("offload_optimizer", "offload_params") if z[k])
         out.append(

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gridwright.runtime.jobdir import PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
+from omegaconf import OmegaConf
+
+from gridwright.runtime.jobdir import CONFIG_FILE, PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
 from gridwright.tracking.sweep import SweepRecord
 from gridwright.evaluations.results_file import write_markdown
 from gridwright.analysis.trace_analysis import COMMUNICATION_FILE
@@ -30,6 +32,8 @@ def estimate_now(job: Path) -> float:
     from gridwright.planning.memory_estimate import estimate_memory
 
     cfg = load_job_config(job)
+    if OmegaConf.select(OmegaConf.load(job / CONFIG_FILE), "engine.fused_adam") is None:
+        cfg.engine.fused_adam = False  # a job from before the fused Adam ran the foreach form
     est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
     return est.total_gib - est.workspace_gib
 

@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for the table and the log (default: a new temporary directory, printed)")
     args = ap.parse_args(argv)
+    if not (REPO / "README.md").is_file():
+        print(f"error: no README.md in {REPO}: run this from a gridwright checkout.", file=sys.stderr)
+        return 2
     if args.list:
         for cmd in documented_commands(REPO):
             print(f"{cmd.page:28} {'gpu' if cmd.gpu else 'cpu'}  {cmd.line}")

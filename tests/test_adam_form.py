@@ -1,6 +1,8 @@
 """engine.fused_adam: torch's fused AdamW inside Megatron-Core's distributed optimizer makes
-the foreach form's update, and a state dict saved in the foreach form (as every checkpoint
-before the fused form was) loads and goes on fused, each parameter's step count its own."""
+the unfused form's update (on CPU torch's per-tensor loop; foreach is its CUDA default), and
+a state dict saved unfused (as every checkpoint before the fused form was) loads and goes on
+fused, each parameter's step count its own. The step counts are rewritten where the
+optimizer's groups are empty, as DeepSpeed's ZeRO-3 keeps them outside its step."""
 
 import torch
 import torch.distributed as dist
@@ -85,3 +87,22 @@ def test_the_fused_form_makes_the_foreach_update_and_survives_a_load():
     assert out["moved"] > 0.1
     assert out["steps"] == [5.0]  # three steps, a load, two more
     assert out["difference"] < 1e-6, out["difference"]
+
+
+def test_step_counts_are_rewritten_when_the_groups_hold_no_parameters():
+    """DeepSpeed's ZeRO-3 empties its torch optimizer's groups outside the step, and its loads
+    leave each step count on the host; the form is set from the states themselves."""
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for state in opt.state.values():
+        state["step"] = torch.tensor(1.0, dtype=torch.float64)  # as a load may leave it
+    for group in opt.param_groups:
+        group["params"] = []
+    assert set_adam_form(opt, True)
+    assert [s["step"].dtype for s in opt.state.values()] == [torch.float32] * 3
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is False
+    assert set_adam_form(opt, False)
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is None

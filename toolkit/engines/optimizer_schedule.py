@@ -68,10 +68,12 @@ def set_adam_form(optimizer, fused: bool) -> bool:
         found = True
         for group in inner.param_groups:
             group.update(fused=True if fused else None, foreach=False if fused else None)
-            for param in group["params"]:
-                step = inner.state.get(param, {}).get("step")
-                if torch.is_tensor(step):  # fused: beside the parameter; foreach: on the host, as torch keeps it
-                    inner.state[param]["step"] = step.to(device=param.device if fused else "cpu", dtype=torch.float32)
+        # By the states' own keys, not the groups': DeepSpeed's ZeRO-3 keeps its groups empty
+        # outside its step (stage3.py), and its loads leave the step counts on the host.
+        for param, state in inner.state.items():
+            step = state.get("step")
+            if torch.is_tensor(step):  # fused: beside the parameter; foreach: on the host, as torch keeps it
+                state["step"] = step.to(device=param.device if fused else "cpu", dtype=torch.float32)
     return found
 
 

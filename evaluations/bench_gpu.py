@@ -61,7 +61,10 @@ MB4 = ["train.micro_batch_size=4"]
 FOREACH_ADAM = ["engine.fused_adam=false"]
 # The base cases run as gridwright did before Megatron-Core's fusions and the fused Adam
 # became the CUDA default.
-UNFUSED = ["engine.fused_kernels=false"] + FOREACH_ADAM
+# Each linear's weight gradient written in bf16, then added into DDP's fp32 buffer by a kernel
+# of its own (the default before the fused accumulation)
+UNFUSED_WGRAD = ["engine.gradient_accumulation_fusion=false"]
+UNFUSED = ["engine.fused_kernels=false"] + FOREACH_ADAM + UNFUSED_WGRAD
 LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
 TP2_SP = BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]
 # FP8 against bf16 over 200 steps is evaluations/fp8_loss_check.py (one GPU each, side by side).
@@ -69,9 +72,11 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_base": (1, BENCH_1GPU + UNFUSED),
     "bench_1b_1gpu_eager": (1, BENCH_1GPU),  # uncompiled, with Megatron-Core's fused SwiGLU and cross-entropy
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
+    "bench_1b_1gpu_unfused_wgrad": (1, BENCH_1GPU + FAST + UNFUSED_WGRAD),
     "bench_1b_1gpu_mb4": (1, BENCH_1GPU + FAST + MB4),
     "bench_1b_1gpu_mb4_foreach_adam": (1, BENCH_1GPU + FAST + MB4 + FOREACH_ADAM),
     "bench_1b_1gpu_mb8": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=8"]),
+    "bench_1b_1gpu_mb8_unfused_wgrad": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=8"] + UNFUSED_WGRAD),
     "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
     "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
     "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),
@@ -81,6 +86,7 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_dp2_overlap_base": (2, DP2_OVERLAP + UNFUSED),
     "bench_1b_dp2_overlap_grad": (2, DP2_OVERLAP_GRAD + FAST),
     "bench_1b_dp2_overlap_grad_mb4": (2, DP2_OVERLAP_GRAD + FAST + MB4),
+    "bench_1b_dp2_overlap_grad_unfused_wgrad": (2, DP2_OVERLAP_GRAD + FAST + UNFUSED_WGRAD),
     "bench_1b_dp2_overlap": (2, DP2_OVERLAP + FAST),
     "bench_1b_cp2_base": (2, BENCH_2GPU + ["parallel.cp=2"] + UNFUSED),
     "bench_1b_cp2": (2, BENCH_2GPU + ["parallel.cp=2"] + FAST),
@@ -116,6 +122,8 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
         "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
+    # bf16 with each weight gradient added into the fp32 buffer by a kernel of its own
+    "llama3_8b_16l_1gpu_mb2_unfused_wgrad": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + UNFUSED_WGRAD),
     # the same two with the optimizer step in torch's foreach form (the 1.29x of 11-29)
     "llama3_8b_16l_1gpu_mb2_foreach_adam": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + FOREACH_ADAM),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output_foreach_adam": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [

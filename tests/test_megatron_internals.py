@@ -8,12 +8,12 @@ import megatron.core
 import pytest
 import torch
 
-from gridwright.megatron_internals import checkpoint_format, cpu_compat, fixes, parallel_linear
+from gridwright.megatron_internals import checkpoint_format, cpu_compat, fixes, parallel_linear, wgrad_accumulation
 from gridwright.versions.megatron_version import OVERRIDE, TESTED, UntestedMegatronCore, refuse_untested, version_problem
 
 MCORE = Path(megatron.core.__file__).parent
-CITED = [(m.__name__.rsplit(".", 1)[1], path, text) for m in (fixes, cpu_compat, checkpoint_format, parallel_linear)
-         for path, text in m.CITED]
+MODULES = (fixes, cpu_compat, checkpoint_format, parallel_linear, wgrad_accumulation)
+CITED = [(m.__name__.rsplit(".", 1)[1], path, text) for m in MODULES for path, text in m.CITED]
 
 
 @pytest.mark.parametrize("module,path,text", CITED)

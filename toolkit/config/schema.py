@@ -313,6 +313,13 @@ class EngineConfig:
     # wherever the optimizer is torch's (DeepSpeed's offload runs its own CPU Adam).
     # false: the foreach form, for comparison.
     fused_adam: bool = True
+    # Megatron-Core's gradient-accumulation fusion: each linear's weight-gradient GEMM adds
+    # into DDP's fp32 gradient buffer directly (torch's mixed-dtype addmm standing in for
+    # Apex's extension, gridwright.megatron_internals.wgrad_accumulation), instead of writing
+    # a bf16 gradient that a separate kernel then adds. None: on for CUDA where Megatron-Core's
+    # DDP keeps that buffer (engine=megatron, zero.stage 0-2); off on CPU, which has no
+    # mixed-dtype GEMM to fuse. true elsewhere is refused.
+    gradient_accumulation_fusion: Optional[bool] = None
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,
     # whose SP and gradient overlap rely on it to order communication before compute, 8

@@ -189,6 +189,10 @@ def _feature_problems(engine, precision, zero, layout, megatron_model: bool) -> 
         out.append("engine.fused_kernels=true asks for Megatron-Core's fused SwiGLU and cross-entropy; the Hugging Face "
                    "model DeepSpeed trains here has neither. Fix: engine.fused_kernels=null, or "
                    "engine.deepspeed_model=megatron.")
+    if e.gradient_accumulation_fusion:
+        out.append("engine.gradient_accumulation_fusion=true adds weight gradients into Megatron-Core DDP's fp32 "
+                   "buffer, which DeepSpeed's engine does not keep (it reduces and accumulates gradients itself). "
+                   "Fix: engine.gradient_accumulation_fusion=null, or engine=megatron.")
     if e.compile_layers and megatron_model:
         out.append("engine.compile_layers=true with Megatron-Core's GPTModel under DeepSpeed would compile Megatron-Core's "
                    "tensor-parallel linears, which did not learn when compiled on GPU (see engine=megatron's "

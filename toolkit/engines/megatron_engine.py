@@ -19,6 +19,7 @@ from ..planning.layout import ParallelLayout
 from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
+from ..megatron_internals.parallel_linear import accumulate_weight_gradients_in_gemm
 from ..planning.machine_probe import transformer_engine_available
 from .megatron_model import (
     build_model_chunks,
@@ -157,6 +158,9 @@ class MegatronTrainer:
                     disable_bucketing=i > 0,
                 )
             )
+        if self.tcfg.gradient_accumulation_fusion:
+            for m in self.model:  # the main_grad buffers now exist
+                accumulate_weight_gradients_in_gemm(m)
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         # The schedule drives DDP's communication through these hooks (one per chunk).
         single = len(self.model) == 1

@@ -30,10 +30,20 @@ def fused_cross_entropy(cfg) -> bool:
     return fused_kernels(cfg) and cfg.precision.params_dtype == "bf16"
 
 
+def gradient_accumulation_fusion(cfg) -> bool:
+    """Whether the weight-gradient GEMMs add into Megatron-Core DDP's fp32 buffer themselves
+    (engine.gradient_accumulation_fusion; None: on CUDA, where that buffer exists)."""
+    chosen = cfg.engine.gradient_accumulation_fusion
+    if chosen is not None:
+        return bool(chosen)
+    return cfg.cluster.device != "cpu" and cfg.engine.name == "megatron" and cfg.zero.stage < 3
+
+
 def fusions_name(tcfg) -> str:
     """The spec name's part for Megatron-Core's fusions, e.g. "+fused(swiglu,cross_entropy)"."""
     parts = [name for name, on in (("swiglu", tcfg.bias_activation_fusion),
-                                   ("cross_entropy", tcfg.cross_entropy_loss_fusion)) if on]
+                                   ("cross_entropy", tcfg.cross_entropy_loss_fusion),
+                                   ("wgrad_accumulation", tcfg.gradient_accumulation_fusion)) if on]
     return f"+fused({','.join(parts)})" if parts else ""
 
 
@@ -76,8 +86,9 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # Apex's GEMM in Megatron-Core's own hook, supplied by torch (wgrad_accumulation)
+        gradient_accumulation_fusion=gradient_accumulation_fusion(cfg),
         # Same initial weights for every TP layout of one seed (initialised whole on the CPU,
         # then split), which is what makes TP=1 and TP=2 runs comparable.
         use_cpu_initialization=on_cpu,
@@ -309,6 +320,10 @@ def build_model_chunks(model, parallel, tcfg, te_available: bool) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if tcfg.gradient_accumulation_fusion:
+        from ..megatron_internals.wgrad_accumulation import provide
+
+        provide()  # before the linears are built: they check for the fused GEMM
     vpp = parallel.vpp or 1
     chunks = []
     for vp_stage in range(vpp):

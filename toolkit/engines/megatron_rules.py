@@ -101,6 +101,11 @@ def problems(cfg, layout, for_launch: bool) -> list[str]:
             "gridwright does not write yet. Fix: zero.stage=1 or 2 for checkpointed runs.")
     if z.stage == 3 and layout.dp * layout.cp == 1 and layout.accumulation(cfg.train) > 1:
         out.append(FSDP_ONE_RANK_ACCUMULATING)
+    if z.stage == 3 and cfg.engine.gradient_accumulation_fusion:
+        out.append(
+            "engine.gradient_accumulation_fusion=true with zero.stage=3: Megatron-FSDP takes its own path through "
+            "the fused weight-gradient GEMM (into its own gradient buffers), which no run here has verified. "
+            "Fix: engine.gradient_accumulation_fusion=null, or zero.stage=1 or 2.")
     if z.offload_optimizer or z.offload_params:
         offload_off = " ".join(f"zero.{k}=false" for k in ("offload_optimizer", "offload_params") if z[k])
         out.append(

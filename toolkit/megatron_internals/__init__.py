@@ -11,6 +11,8 @@ lets a user try anyway, with a warning. Modules:
                        the checkpoint and optimizer code
     parallel_linear    column/row-parallel linears with async TP (symmetric memory) and
                        torchao float8 matmuls, through Megatron-Core's private hook
+    wgrad_accumulation the fused GEMM Megatron-Core's gradient-accumulation fusion calls
+                       (Apex's extension), supplied by torch
 
 Each patch names the upstream line it stands for (or relies on) in its module's `CITED` list; the
 tests check that every cited line is still in the installed Megatron-Core, so an

@@ -1,0 +1,113 @@
+"""Megatron-Core's gradient-accumulation fusion without Apex: each linear's weight-gradient
+GEMM adds its product straight into the fp32 `main_grad` buffer of Megatron-Core's DDP.
+
+Unfused, a linear's backward writes a bf16 weight gradient, and DDP's hook then adds it
+into the fp32 buffer (`main_grad.add_(grad)`, the kernel `CUDAFunctor_add<float>`): on the
+Llama-3-8B shape (16 layers, micro-batch 2, four micro-batches a step, one H200) that was
+74 ms a step in 396 launches. Megatron-Core fuses the two when the TransformerConfig asks
+for `gradient_accumulation_fusion`, by calling Apex's `fused_weight_gradient_mlp_cuda`
+extension (a cuBLAS GEMM whose epilogue adds into an fp32 C). Apex needs nvcc to build and
+is not on the GPU machines; torch has the same GEMM (`torch.addmm` with `out_dtype`, CUDA
+only), so this module supplies the two functions Megatron-Core calls, under that
+extension's name, and tells Megatron-Core the extension is there (`provide`).
+
+On CPU there is no mixed-dtype GEMM: the inputs are upcast to the buffer's dtype first,
+the same sum without the saving (the CPU tests check the arithmetic, not the speed).
+Megatron-Core itself sets `grad_added_to_main_grad` and hands autograd an unwritten
+gradient, which DDP's hook then skips; tied embeddings get a zeroed one (`zero_out_wgrad`).
+
+Compiled layers cannot go through Megatron-Core's function: its backward sets attributes
+and writes a tensor that is not one of its inputs, so dynamo ran it outside the graph, and
+each layer became 22 graphs instead of 5. On one H200 that made the bench model at
+micro-batch 2 host-bound (502 ms of host wait a step). `AccumulatingMatmul` is the same
+arithmetic in a form dynamo keeps in the graph: the buffer is an input, and the GEMM is a
+custom op that declares it mutates it. The flag DDP's hook reads is set by a pre-hook on
+the weight's gradient accumulator (`prepare_accumulation`), outside the graph.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+CITED = [
+    # the calls this module answers, and the availability check `provide` satisfies
+    ("tensor_parallel/layers.py", "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32("),
+    ("tensor_parallel/layers.py", "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16("),
+    ("tensor_parallel/layers.py", "if config.gradient_accumulation_fusion and not _grad_accum_fusion_available:"),
+    # DDP's hook skips the add for a gradient the GEMM already accumulated
+    ("distributed/distributed_data_parallel.py",
+     "not param.grad_added_to_main_grad or getattr(param, 'zero_out_wgrad', False)"),
+]
+
+
+def accumulate_weight_gradient(total_input, grad_output, main_grad) -> None:
+    """main_grad += grad_output.T @ total_input (both 2-D: [tokens, out] and [tokens, in]),
+    in one GEMM whose output is the buffer itself."""
+    a, b = grad_output.t(), total_input
+    if a.dtype == main_grad.dtype:
+        main_grad.addmm_(a, b)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
+
+
+@torch.library.custom_op("gridwright::accumulate_weight_gradient", mutates_args=("main_grad",))
+def _accumulate_op(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    accumulate_weight_gradient(total_input, grad_output, main_grad)
+
+
+@_accumulate_op.register_fake
+def _(total_input, grad_output, main_grad):
+    return None
+
+
+class AccumulatingMatmul(torch.autograd.Function):
+    """y = x @ W.T, whose backward adds dW into `main_grad` (W's DDP buffer) and hands
+    autograd an unwritten dW of W's shape, so that DDP's hook still runs (its overlapped
+    reduction counts the hooks) and skips the add (`prepare_accumulation`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, main_grad):
+        ctx.save_for_backward(x, weight, main_grad)
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, main_grad = ctx.saved_tensors
+        _accumulate_op(x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1]), main_grad)
+        return torch.matmul(grad_out, weight), torch.empty_like(weight), None
+
+
+def prepare_accumulation(weight) -> None:
+    """Give `weight` what `AccumulatingMatmul` needs from it:
+
+    * `gridwright_wgrad_buffer`: its `main_grad` under a tensor of its own. Every
+      `main_grad` is a view of one DDP buffer, and views share a version counter, so a
+      saved view would count every other layer's accumulation (and the buffer's zeroing) as
+      a change and fail autograd's check; this tensor shares the memory, not the counter.
+    * a pre-hook on its gradient accumulator, the node DDP's hook is on, that sets
+      `grad_added_to_main_grad` before that hook reads it (DDP clears it every step).
+    """
+    grad = weight.main_grad
+    weight.gridwright_wgrad_buffer = torch.empty(0, dtype=grad.dtype, device=grad.device).set_(
+        grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
+    node = weight.expand_as(weight).grad_fn.next_functions[0][0]
+    node.register_prehook(lambda grads: setattr(weight, "grad_added_to_main_grad", True))
+
+
+# The extension's two entry points (fp32 and 16-bit buffers): one function serves both.
+wgrad_gemm_accum_fp32 = accumulate_weight_gradient
+wgrad_gemm_accum_fp16 = accumulate_weight_gradient
+
+
+def provide() -> None:
+    """Make Megatron-Core's linears find this module where they look for Apex's extension
+    (a module global they read at call time). Called before a model with the fusion is
+    built; an installed Apex is left in place."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
+        layers._grad_accum_fusion_available = True

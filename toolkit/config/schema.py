@@ -318,7 +318,8 @@ class EngineConfig:
     # Apex's extension, gridwright.megatron_internals.wgrad_accumulation), instead of writing
     # a bf16 gradient that a separate kernel then adds. None: on for CUDA where Megatron-Core's
     # DDP keeps that buffer (engine=megatron, zero.stage 0-2); off on CPU, which has no
-    # mixed-dtype GEMM to fuse. true elsewhere is refused.
+    # mixed-dtype GEMM to fuse (true runs there, for the tests). true under Megatron-FSDP or on
+    # DeepSpeed is refused.
     gradient_accumulation_fusion: Optional[bool] = None
     # CUDA_DEVICE_MAX_CONNECTIONS of the workers (hardware queues per GPU). None: the
     # engine's choice (`cuda_device_max_connections` in its rules): 1 for Megatron-Core,

@@ -39,11 +39,12 @@ def gradient_accumulation_fusion(cfg) -> bool:
     return cfg.cluster.device != "cpu" and cfg.engine.name == "megatron" and cfg.zero.stage < 3
 
 
-def fusions_name(tcfg) -> str:
-    """The spec name's part for Megatron-Core's fusions, e.g. "+fused(swiglu,cross_entropy)"."""
+def fusions_name(tcfg, wgrad_fused: bool = False) -> str:
+    """The spec name's part for Megatron-Core's fusions, e.g. "+fused(swiglu,cross_entropy)";
+    `wgrad_fused`: some linear adds its weight gradient into the buffer in its GEMM."""
     parts = [name for name, on in (("swiglu", tcfg.bias_activation_fusion),
                                    ("cross_entropy", tcfg.cross_entropy_loss_fusion),
-                                   ("wgrad_accumulation", tcfg.gradient_accumulation_fusion)) if on]
+                                   ("wgrad_accumulation", wgrad_fused)) if on]
     return f"+fused({','.join(parts)})" if parts else ""
 
 
@@ -232,7 +233,10 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+" + tcfg.gridwright_float8_name
         if any(is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process):
             name += "+float8_output_layer"
-    name += fusions_name(tcfg)
+    # Float8 linears (all of them, with the output layer in float8 too) do not fuse
+    every_linear_float8 = getattr(tcfg, "gridwright_float8", None) is not None and all(
+        is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process)
+    name += fusions_name(tcfg, tcfg.gradient_accumulation_fusion and not every_linear_float8)
     if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
         name += "+cp_a2a"
     if tcfg.cuda_graph_impl == "local":

@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from .wgrad_accumulation import AccumulatingMatmul, prepare_accumulation
+from .wgrad_accumulation import AccumulatingMatmul, flag_added_gradients
 
 CITED = [
     ("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
@@ -177,7 +177,7 @@ class GridwrightColumnParallelLinear(ColumnParallelLinear):
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                       sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
         if getattr(self, "gridwright_accumulates_wgrad", False) and weight.requires_grad:
-            out = AccumulatingMatmul.apply(input, weight, weight.gridwright_wgrad_buffer)
+            out = AccumulatingMatmul.apply(input, weight, weight.main_grad)
             return out if bias is None else out + bias
         overlap, fp8 = _choices(self.config)
         if not weight.requires_grad or not (overlap and sequence_parallel or fp8):
@@ -231,7 +231,7 @@ class GridwrightRowParallelLinear(RowParallelLinear):
         if kwargs.get("tp_group", self.tp_group) is None:
             kwargs["tp_group"] = self.tp_group
         if getattr(self, "gridwright_accumulates_wgrad", False) and weight.requires_grad:
-            return AccumulatingMatmul.apply(input, weight, weight.gridwright_wgrad_buffer)
+            return AccumulatingMatmul.apply(input, weight, weight.main_grad)
         overlap, fp8 = _choices(self.config)
         if fp8 is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
@@ -250,15 +250,16 @@ class GridwrightRowParallelLinear(RowParallelLinear):
 def accumulate_weight_gradients_in_gemm(model) -> int:
     """Route the plain matmuls of gridwright's linears (TP=1: no communication inside them, no
     float8) through `AccumulatingMatmul` where the TransformerConfig asks for
-    gradient-accumulation fusion; the ones with TP communication keep Megatron-Core's function
-    (with the fused GEMM of wgrad_accumulation.provide). Called once DDP has given each
+    gradient-accumulation fusion. At TP>1 the linears that run Megatron-Core's function (no
+    tp_comm_overlap, no float8) fuse inside it (the GEMM of wgrad_accumulation.provide);
+    gridwright's async-TP and float8 matmuls do not fuse. Called once DDP has given each
     weight its `main_grad`. Returns how many linears were routed.
 
     Not under Megatron-Core's CUDA graphs: on one H200 (bench model, 14 steps) the routed run
-    drifted from the same run without graphs 5 times more than repeats do (gradient norm
-    5.6225 against 5.629 at the third step, 10.154 against 10.170 at the fourth), where
-    Megatron-Core's own function stayed within them (5.6277 against 5.6289); the cause was
-    not traced. A graph replays the whole layer, so the graph breaks that function costs
+    left the same run without graphs at the third step (gradient norm 5.6225 against 5.629,
+    then 10.154 against 10.170), 5 times further than a graph run through Megatron-Core's
+    own function left its partner (5.6277 against 5.6289); no repeats were run, and the
+    cause was not traced. A graph replays the whole layer, so the graph breaks that function costs
     compiled layers do not cost time there (87,436 tokens/s through that function in one call,
     87,238 routed in another)."""
     routed = 0
@@ -271,6 +272,6 @@ def accumulate_weight_gradients_in_gemm(model) -> int:
                 and _choices(layer.config)[1] is None and weight.requires_grad and hasattr(weight, "main_grad")
                 and not getattr(weight, "zero_out_wgrad", False)):
             layer.gridwright_accumulates_wgrad = True
-            prepare_accumulation(weight)
+            flag_added_gradients(weight)
             routed += 1
     return routed

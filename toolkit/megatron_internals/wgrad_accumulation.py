@@ -22,7 +22,7 @@ each layer became 22 graphs instead of 5. On one H200 that made the bench model 
 micro-batch 2 host-bound (502 ms of host wait a step). `AccumulatingMatmul` is the same
 arithmetic in a form dynamo keeps in the graph: the buffer is an input, and the GEMM is a
 custom op that declares it mutates it. The flag DDP's hook reads is set by a pre-hook on
-the weight's gradient accumulator (`prepare_accumulation`), outside the graph.
+the weight's gradient accumulator (`flag_added_gradients`), outside the graph.
 """
 from __future__ import annotations
 
@@ -66,34 +66,29 @@ def _(total_input, grad_output, main_grad):
 class AccumulatingMatmul(torch.autograd.Function):
     """y = x @ W.T, whose backward adds dW into `main_grad` (W's DDP buffer) and hands
     autograd an unwritten dW of W's shape, so that DDP's hook still runs (its overlapped
-    reduction counts the hooks) and skips the add (`prepare_accumulation`)."""
+    reduction counts the hooks) and skips the add (`flag_added_gradients`)."""
 
     @staticmethod
     def forward(ctx, x, weight, main_grad):
-        ctx.save_for_backward(x, weight, main_grad)
+        ctx.save_for_backward(x, weight)
+        # Not saved for backward: the buffer changes between this forward and its backward
+        # (other micro-batches' backwards, other layers' views of the same buffer), which
+        # autograd's check of saved tensors would refuse; Megatron-Core's function keeps it
+        # on ctx for the same reason (tensor_parallel/layers.py).
+        ctx.main_grad = main_grad
         return torch.matmul(x, weight.t())
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, main_grad = ctx.saved_tensors
-        _accumulate_op(x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1]), main_grad)
+        x, weight = ctx.saved_tensors
+        _accumulate_op(x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1]), ctx.main_grad)
         return torch.matmul(grad_out, weight), torch.empty_like(weight), None
 
 
-def prepare_accumulation(weight) -> None:
-    """Give `weight` what `AccumulatingMatmul` needs from it:
-
-    * `gridwright_wgrad_buffer`: its `main_grad` under a tensor of its own. Every
-      `main_grad` is a view of one DDP buffer, and views share a version counter, so a
-      saved view would count every other layer's accumulation (and the buffer's zeroing) as
-      a change and fail autograd's check; this tensor shares the memory, not the counter.
-    * a pre-hook on its gradient accumulator, the node DDP's hook is on, that sets
-      `grad_added_to_main_grad` before that hook reads it (DDP clears it every step).
-    """
-    grad = weight.main_grad
-    weight.gridwright_wgrad_buffer = torch.empty(0, dtype=grad.dtype, device=grad.device).set_(
-        grad.untyped_storage(), grad.storage_offset(), grad.size(), grad.stride())
-    node = weight.expand_as(weight).grad_fn.next_functions[0][0]
+def flag_added_gradients(weight) -> None:
+    """Set `weight.grad_added_to_main_grad` whenever a gradient reaches the weight's
+    accumulator, before DDP's hook on the same node reads it (DDP clears it every step)."""
+    node = weight.expand_as(weight).grad_fn.next_functions[0][0]  # the node DDP's hook is on
     node.register_prehook(lambda grads: setattr(weight, "grad_added_to_main_grad", True))
 
 

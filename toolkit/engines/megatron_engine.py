@@ -158,9 +158,8 @@ class MegatronTrainer:
                     disable_bucketing=i > 0,
                 )
             )
-        if self.tcfg.gradient_accumulation_fusion:
-            for m in self.model:  # the main_grad buffers now exist
-                accumulate_weight_gradients_in_gemm(m)
+        for m in self.model:  # the main_grad buffers now exist; routes nothing without the fusion
+            accumulate_weight_gradients_in_gemm(m)
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         # The schedule drives DDP's communication through these hooks (one per chunk).
         single = len(self.model) == 1

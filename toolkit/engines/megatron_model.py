@@ -229,13 +229,14 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
     # what they read (unset where choose_torch_native_paths did not run: DeepSpeed's TP).
     if getattr(tcfg, "gridwright_tp_comm_overlap", False):
         name += "+tp_overlap"
-    if getattr(tcfg, "gridwright_float8", None) is not None:
+    float8 = getattr(tcfg, "gridwright_float8", None) is not None
+    float8_outputs = [is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process]
+    if float8:
         name += "+" + tcfg.gridwright_float8_name
-        if any(is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process):
+        if any(float8_outputs):
             name += "+float8_output_layer"
-    # Float8 linears (all of them, with the output layer in float8 too) do not fuse
-    every_linear_float8 = getattr(tcfg, "gridwright_float8", None) is not None and all(
-        is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process)
+    # Float8 linears do not fuse: with the output layer in float8 too (or absent), none does
+    every_linear_float8 = float8 and all(float8_outputs)
     name += fusions_name(tcfg, tcfg.gradient_accumulation_fusion and not every_linear_float8)
     if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
         name += "+cp_a2a"

@@ -259,9 +259,9 @@ def accumulate_weight_gradients_in_gemm(model) -> int:
     left the same run without graphs at the third step (gradient norm 5.6225 against 5.629,
     then 10.154 against 10.170), 5 times further than a graph run through Megatron-Core's
     own function left its partner (5.6277 against 5.6289); no repeats were run, and the
-    cause was not traced. A graph replays the whole layer, so the graph breaks that function costs
-    compiled layers do not cost time there (87,436 tokens/s through that function in one call,
-    87,238 routed in another)."""
+    cause was not traced. A graph replays the whole layer, so that function's graph breaks in
+    compiled layers cost no time there (87,436 tokens/s through it in one call, 87,238 routed
+    in another)."""
     routed = 0
     for layer in model.modules():
         if not isinstance(layer, (GridwrightColumnParallelLinear, GridwrightRowParallelLinear)):

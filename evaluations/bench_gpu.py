@@ -124,6 +124,9 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
         "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
     # bf16 with each weight gradient added into the fp32 buffer by a kernel of its own
     "llama3_8b_16l_1gpu_mb2_unfused_wgrad": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + UNFUSED_WGRAD),
+    # the same for float8: torchao's GEMM writes the weight gradient in bf16 and a kernel adds it
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output_unfused_wgrad": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
+        "precision=fp8_tensorwise", "precision.fp8_output_layer=true"] + UNFUSED_WGRAD),
     # the same two with the optimizer step in torch's foreach form (the 1.29x of 11-29)
     "llama3_8b_16l_1gpu_mb2_foreach_adam": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + FOREACH_ADAM),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output_foreach_adam": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [

@@ -90,3 +90,24 @@ def test_a_timed_out_case_leaves_no_process_behind():
     assert time.monotonic() - started < 30
     child = int(result.stdout.split()[0])
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_wgrad_gemm_bench_refuses_a_machine_without_a_gpu():
+    """One line and exit 2 where no GPU is visible, before any work."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "gridwright.evaluations.bench_wgrad_gemm"], capture_output=True,
+                            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: bench_wgrad_gemm measures CUDA GEMMs; no GPU is visible"]
+
+
+def test_the_wgrad_gemm_table_gives_both_forms_of_each_precision():
+    from gridwright.evaluations.bench_wgrad_gemm import table
+
+    row = {"weight": "qkv [6144, 4096]", "bf16 ms": (0.6, 0.53), "bf16 error": (1.66e-3, 9.1e-6),
+           "float8 ms": (0.37, 0.31), "float8 error": (1.66e-3, 1.04e-4)}
+    assert table([row]).splitlines()[-1] == ("| qkv [6144, 4096] | 0.600 | 0.530 | 1.66e-03 / 9.10e-06 | 0.370 | 0.310 | "
+                                            "1.66e-03 / 1.04e-04 |")

@@ -1,9 +1,12 @@
 """engine.gradient_accumulation_fusion: the weight-gradient GEMM adds into DDP's fp32 buffer
 itself, through Megatron-Core's linear function (with gridwright.megatron_internals.wgrad_accumulation
 standing in for Apex's extension) or through gridwright's AccumulatingMatmul (TP=1, compiled
-layers). Checked on CPU: the buffer holds the same sum over micro-batches as autograd's
-gradients, DDP's hook does not add a second time, and whole runs (TP=2+SP; DP=2 compiled,
-with the overlapped reduction and tied embeddings) follow the unfused run."""
+layers), and in float8 through Float8AccumulatingMatmul (torchao's tensorwise recipe; its
+GEMM is cuBLASLt's on CUDA, runtime.float8_gemm, and emulated in fp32 on CPU). Checked on
+CPU: the buffer holds the same sum over micro-batches as autograd's gradients, DDP's hook
+does not add a second time, float8 forwards and input gradients equal torchao's, and whole
+runs (TP=2+SP; DP=2 compiled, with the overlapped reduction and tied embeddings) follow the
+unfused run."""
 import contextlib
 import json
 
@@ -14,7 +17,13 @@ import torch.multiprocessing as mp
 
 from gridwright.config.compose import compose_config
 from gridwright.engines.megatron_model import gradient_accumulation_fusion
-from gridwright.megatron_internals.wgrad_accumulation import accumulate_weight_gradient
+from gridwright.megatron_internals.parallel_linear import float8_setup
+from gridwright.megatron_internals.wgrad_accumulation import (
+    Float8AccumulatingMatmul,
+    accumulate_weight_gradient,
+    float8_accumulates,
+)
+from gridwright.runtime.float8_gemm import accumulate_float8_gemm
 from gridwright.runtime.loopback import free_port
 
 
@@ -31,7 +40,54 @@ def test_the_gemm_adds_into_the_buffer(dtype):
     assert not torch.equal(buffer, start)
 
 
-def _worker(rank, port, params_dtype, gridwright_linears, out):
+def test_the_float8_gemm_adds_the_dequantized_product():
+    """out += (a · sa) @ (b · sb).T for float8 operands (e5m2 and e4m3, as a weight gradient's)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 32).to(torch.float8_e5m2), torch.randn(16, 32).to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor(0.5), torch.tensor(0.25)
+    start = torch.randn(8, 16)
+    out = start.clone()
+    accumulate_float8_gemm(a, sa, b, sb, out)
+    expected = start + (a.float() * 0.5) @ (b.float() * 0.25).t()
+    assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6) and not torch.equal(out, start)
+
+
+def test_only_the_tensorwise_recipe_accumulates_in_float8():
+    assert float8_accumulates(float8_setup("tensorwise", emulate=True)[0])
+    assert not float8_accumulates(float8_setup("rowwise", emulate=True)[0])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_float8_matmul_is_torchaos_with_its_weight_gradient_in_the_buffer(compiled):
+    """Against torchao's own float8 function (emulated): the same output and input gradient,
+    bit for bit; the weight gradient added into the buffer, where torchao's is rounded to
+    bf16 first (so they differ by bf16's rounding); compiled the same as eager."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    config, mm_config = float8_setup("tensorwise", emulate=True)
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    dy = torch.randn(2, 32, 48, dtype=torch.bfloat16)
+    start = torch.randn(48, 64)
+
+    def apply(x, w, main_grad):
+        return Float8AccumulatingMatmul.apply(x, w, main_grad, config)
+
+    fused_x, fused_w, buffer = x.clone().requires_grad_(), w.clone().requires_grad_(), start.clone()
+    (torch.compile(apply) if compiled else apply)(fused_x, fused_w, buffer).backward(dy)
+    ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = matmul_with_hp_or_float8_args.apply(ref_x, ref_w.t(), mm_config, config)
+    out.backward(dy)
+    fused_out = apply(x, w, start.clone())
+    assert torch.equal(fused_out, out)
+    assert torch.equal(fused_x.grad, ref_x.grad)
+    added, reference = buffer - start, ref_w.grad.float()
+    assert ((added - reference).norm() / reference.norm()).item() < 4e-3
+    assert not torch.equal(added, reference)  # the buffer's sum was never rounded to bf16
+
+
+def _worker(rank, port, params_dtype, gridwright_linears, out, float8=False):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -52,6 +108,7 @@ def _worker(rank, port, params_dtype, gridwright_linears, out):
         bf16 = params_dtype == torch.bfloat16
         tcfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, use_cpu_initialization=True,
                                  gradient_accumulation_fusion=True, params_dtype=params_dtype, bf16=bf16)
+        tcfg.gridwright_float8 = float8_setup("tensorwise", emulate=True) if float8 else None
         torch.manual_seed(0)
         init = torch.nn.init.normal_
         column_class, row_class = ((GridwrightColumnParallelLinear, GridwrightRowParallelLinear) if gridwright_linears
@@ -73,7 +130,15 @@ def _worker(rank, port, params_dtype, gridwright_linears, out):
             with model.no_sync() if batch < 2 else contextlib.nullcontext():
                 loss.backward()
         for x in xs:
-            (x.float() @ weights[0].t() @ weights[1].t()).pow(2).sum().backward()
+            if float8:  # torchao's own float8 function (its weight gradients in fp32 here)
+                from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+                config, mm_config = tcfg.gridwright_float8
+                hidden = matmul_with_hp_or_float8_args.apply(x.float(), weights[0].t(), mm_config, config)
+                y = matmul_with_hp_or_float8_args.apply(hidden, weights[1].t(), mm_config, config)
+            else:
+                y = x.float() @ weights[0].t() @ weights[1].t()
+            y.pow(2).sum().backward()
         model.finish_grad_sync()
         out["added"] = [p.grad_added_to_main_grad for p in module.parameters()]
         out["buffer"] = [p.main_grad.clone() for p in module.parameters()]
@@ -82,16 +147,21 @@ def _worker(rank, port, params_dtype, gridwright_linears, out):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("gridwright_linears", [False, True], ids=["megatron_function", "accumulating_matmul"])
-@pytest.mark.parametrize("params_dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_linears_accumulate_into_ddp_buffers(params_dtype, tolerance, gridwright_linears):
+@pytest.mark.parametrize("gridwright_linears,float8,params_dtype,tolerance", [
+    (False, False, torch.float32, 1e-5), (False, False, torch.bfloat16, 2e-2),
+    (True, False, torch.float32, 1e-5), (True, False, torch.bfloat16, 2e-2),
+    # the float8 reference runs in fp32 (bf16 weights would cast to other float8 data)
+    (True, True, torch.float32, 1e-5)],
+    ids=["megatron_function-fp32", "megatron_function-bf16", "accumulating_matmul-fp32", "accumulating_matmul-bf16",
+         "float8_accumulating_matmul-fp32"])
+def test_linears_accumulate_into_ddp_buffers(params_dtype, tolerance, gridwright_linears, float8):
     """Column- and row-parallel linears under Megatron-Core's DDP with the overlapped reduction,
     three micro-batches: through Megatron-Core's function (with `provide`'s GEMM) and through
-    gridwright's `AccumulatingMatmul` (both of its linears routed), each gradient is marked as
-    added and the fp32 buffer holds autograd's sum (in fp32), to rounding in fp32 and to
-    bf16's in bf16."""
+    gridwright's `AccumulatingMatmul` or `Float8AccumulatingMatmul` (both of its linears
+    routed), each gradient is marked as added and the fp32 buffer holds autograd's sum (in
+    fp32; torchao's float8 function's for float8), to rounding in fp32 and to bf16's in bf16."""
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), params_dtype, gridwright_linears, out), nprocs=1, join=True)
+    mp.spawn(_worker, args=(free_port(), params_dtype, gridwright_linears, out, float8), nprocs=1, join=True)
     assert out["routed"] == (2 if gridwright_linears else 0)
     assert out["added"] == [True, True]
     for got, ref in zip(out["buffer"], out["reference"]):
@@ -144,16 +214,23 @@ def test_fused_runs_follow_the_unfused_run(run_launch, tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_the_spec_names_the_fusion_only_where_a_linear_fuses(run_launch, tmp_path):
-    """Float8 linears do not fuse: with the output layer in float8 too, nothing does, and the
-    spec does not claim it; with the output layer in bf16 that layer fuses."""
-    specs = {}
-    for output_layer in ("true", "false"):
-        job = tmp_path / output_layer
-        result = run_launch("precision=fp8_tensorwise", "precision.fp8_backend=torchao",
-                            f"precision.fp8_output_layer={output_layer}", "engine.gradient_accumulation_fusion=true",
-                            "train.steps=3", "tracking=off", f"job_dir={job}", timeout=600)
+def test_float8_runs_fuse_under_the_tensorwise_recipe_only(run_launch, tmp_path):
+    """Float8 everywhere (the output layer too), fused against unfused: under the tensorwise
+    recipe every linear fuses, the spec says so, and the losses follow the unfused run to the
+    rounding the unfused run adds (its weight gradients are rounded to bf16 before they reach
+    the buffer); under the rowwise recipe no linear fuses, and the spec does not claim it."""
+    runs = {}
+    for name, recipe, fused in (("tensorwise", "fp8_tensorwise", "true"), ("unfused", "fp8_tensorwise", "false"),
+                                ("rowwise", "fp8_rowwise", "true")):
+        job = tmp_path / name
+        result = run_launch(f"precision={recipe}", "precision.fp8_backend=torchao", "precision.fp8_output_layer=true",
+                            f"engine.gradient_accumulation_fusion={fused}", "train.steps=4", "tracking=off",
+                            f"job_dir={job}", timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        specs[output_layer] = json.loads((job / "summary.json").read_text())["layer_spec"]
-    assert "wgrad_accumulation" not in specs["true"] and "float8_output_layer" in specs["true"]
-    assert "wgrad_accumulation" in specs["false"]
+        runs[name] = job
+    specs = {name: json.loads((job / "summary.json").read_text())["layer_spec"] for name, job in runs.items()}
+    assert "wgrad_accumulation" in specs["tensorwise"] and "float8_output_layer" in specs["tensorwise"]
+    assert "wgrad_accumulation" not in specs["unfused"]
+    assert "wgrad_accumulation" not in specs["rowwise"] and "float8_output_layer" in specs["rowwise"]
+    fused, plain = _losses(runs["tensorwise"]), _losses(runs["unfused"])
+    assert len(fused) == 4 and fused[0] == plain[0] and fused == pytest.approx(plain, rel=1e-3)

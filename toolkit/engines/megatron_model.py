@@ -221,6 +221,8 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
     "local+sdpa+compiled+tp_overlap+float8_tensorwise(torchao)"."""
     if te_available:
         return "transformer_engine"
+    from ..megatron_internals.parallel_linear import routes_weight_gradients
+
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
     name = "local+sdpa"
     if layers and all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers):
@@ -235,9 +237,11 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+" + tcfg.gridwright_float8_name
         if any(float8_outputs):
             name += "+float8_output_layer"
-    # Float8 linears do not fuse: with the output layer in float8 too (or absent), none does
+    # Float8 linears fuse only where they are routed (TP=1, tensorwise); otherwise, with the
+    # output layer in float8 too (or absent), none does
     every_linear_float8 = float8 and all(float8_outputs)
-    name += fusions_name(tcfg, tcfg.gradient_accumulation_fusion and not every_linear_float8)
+    float8_fuses = float8 and routes_weight_gradients(tcfg, tcfg.tensor_model_parallel_size)
+    name += fusions_name(tcfg, tcfg.gradient_accumulation_fusion and (float8_fuses or not every_linear_float8))
     if any(getattr(layer.self_attention.core_attention, "cp_all_to_all", False) for layer in layers):
         name += "+cp_a2a"
     if tcfg.cuda_graph_impl == "local":

@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-from .wgrad_accumulation import AccumulatingMatmul, flag_added_gradients
+from .wgrad_accumulation import AccumulatingMatmul, Float8AccumulatingMatmul, flag_added_gradients, float8_accumulates
 
 CITED = [
     ("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
@@ -177,7 +177,7 @@ class GridwrightColumnParallelLinear(ColumnParallelLinear):
     def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                       sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
         if getattr(self, "gridwright_accumulates_wgrad", False) and weight.requires_grad:
-            out = AccumulatingMatmul.apply(input, weight, weight.main_grad)
+            out = _accumulating_matmul(self, input, weight)
             return out if bias is None else out + bias
         overlap, fp8 = _choices(self.config)
         if not weight.requires_grad or not (overlap and sequence_parallel or fp8):
@@ -219,6 +219,27 @@ def _compiled_matmul():
     return torch.compile(_matmul)
 
 
+def _float8_accumulating_matmul(x, weight, main_grad, config):
+    return Float8AccumulatingMatmul.apply(x, weight, main_grad, config)
+
+
+@functools.cache
+def _compiled_float8_accumulating_matmul():
+    """The same through torch.compile, for the output layer (`float8_output_layer` says why)."""
+    return torch.compile(_float8_accumulating_matmul)
+
+
+def _accumulating_matmul(layer, x, weight):
+    """x @ weight.T whose backward adds the weight's gradient into its DDP buffer (a layer
+    `accumulate_weight_gradients_in_gemm` routed): in bf16, or in float8 where it runs."""
+    fp8 = _choices(layer.config)[1]
+    if fp8 is None:
+        return AccumulatingMatmul.apply(x, weight, weight.main_grad)
+    compiled = getattr(layer, "gridwright_compile_matmul", False)
+    matmul = _compiled_float8_accumulating_matmul() if compiled else _float8_accumulating_matmul
+    return matmul(x, weight, weight.main_grad, fp8[0])
+
+
 class GridwrightRowParallelLinear(RowParallelLinear):
     """Megatron-Core's RowParallelLinear; the matmul (and SP's reduce-scatter) replaced as the
     module docstring says."""
@@ -231,7 +252,7 @@ class GridwrightRowParallelLinear(RowParallelLinear):
         if kwargs.get("tp_group", self.tp_group) is None:
             kwargs["tp_group"] = self.tp_group
         if getattr(self, "gridwright_accumulates_wgrad", False) and weight.requires_grad:
-            return AccumulatingMatmul.apply(input, weight, weight.main_grad)
+            return _accumulating_matmul(self, input, weight)
         overlap, fp8 = _choices(self.config)
         if fp8 is None or not weight.requires_grad:
             return super()._forward_impl(input, weight, *args, **kwargs)
@@ -248,11 +269,12 @@ class GridwrightRowParallelLinear(RowParallelLinear):
 
 
 def accumulate_weight_gradients_in_gemm(model) -> int:
-    """Route the plain matmuls of gridwright's linears (TP=1: no communication inside them, no
-    float8) through `AccumulatingMatmul` where the TransformerConfig asks for
-    gradient-accumulation fusion. At TP>1 the linears that run Megatron-Core's function (no
-    tp_comm_overlap, no float8) fuse inside it (the GEMM of wgrad_accumulation.provide);
-    gridwright's async-TP and float8 matmuls do not fuse. Called once DDP has given each
+    """Route the matmuls of gridwright's linears at TP=1 (no communication inside them)
+    through `AccumulatingMatmul`, or `Float8AccumulatingMatmul` under torchao's tensorwise
+    float8, where the TransformerConfig asks for gradient-accumulation fusion. At TP>1 the
+    linears that run Megatron-Core's function (no tp_comm_overlap, no float8) fuse inside it
+    (the GEMM of wgrad_accumulation.provide); gridwright's async-TP matmuls, its float8
+    matmuls at TP>1 and under rowwise scaling do not fuse. Called once DDP has given each
     weight its `main_grad`. Returns how many linears were routed.
 
     Not under Megatron-Core's CUDA graphs: on one H200 (bench model, 14 steps) the routed run
@@ -267,11 +289,18 @@ def accumulate_weight_gradients_in_gemm(model) -> int:
         if not isinstance(layer, (GridwrightColumnParallelLinear, GridwrightRowParallelLinear)):
             continue
         weight = layer.weight
-        if (layer.config.gradient_accumulation_fusion and layer.tp_group.size() == 1
-                and layer.config.cuda_graph_impl != "local"
-                and _choices(layer.config)[1] is None and weight.requires_grad and hasattr(weight, "main_grad")
-                and not getattr(weight, "zero_out_wgrad", False)):
+        if (routes_weight_gradients(layer.config, layer.tp_group.size()) and weight.requires_grad
+                and hasattr(weight, "main_grad") and not getattr(weight, "zero_out_wgrad", False)):
             layer.gridwright_accumulates_wgrad = True
             flag_added_gradients(weight)
             routed += 1
     return routed
+
+
+def routes_weight_gradients(config, tp_size: int) -> bool:
+    """Whether `accumulate_weight_gradients_in_gemm` routes gridwright's linears under this
+    TransformerConfig (those with a trainable, untied weight): bf16, or float8 where
+    `Float8AccumulatingMatmul` runs its recipe."""
+    fp8 = _choices(config)[1]
+    return (config.gradient_accumulation_fusion and tp_size == 1 and config.cuda_graph_impl != "local"
+            and (fp8 is None or float8_accumulates(fp8[0])))

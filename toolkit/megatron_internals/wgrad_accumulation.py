@@ -23,12 +23,22 @@ micro-batch 2 host-bound (502 ms of host wait a step). `AccumulatingMatmul` is t
 arithmetic in a form dynamo keeps in the graph: the buffer is an input, and the GEMM is a
 custom op that declares it mutates it. The flag DDP's hook reads is set by a pre-hook on
 the weight's gradient accumulator (`flag_added_gradients`), outside the graph.
+
+Float8 linears (torchao's tensorwise recipe) fuse too: `Float8AccumulatingMatmul` runs the
+three GEMMs of torchao's `matmul_with_hp_or_float8_args` with torchao's own scaling and
+casts, but its weight-gradient GEMM adds into the buffer (`runtime.float8_gemm`, cuBLASLt
+with beta = 1), where `torch._scaled_mm` would write a bf16 gradient for DDP's hook to add.
+It needs its own autograd function because torchao's computes the weight gradient inside its
+backward; it works on plain float8 tensors (not torchao's tensor subclass), so compiled
+layers trace it as they trace the bf16 form.
 """
 from __future__ import annotations
 
 import sys
 
 import torch
+
+from ..runtime.float8_gemm import accumulate_float8_gemm
 
 CITED = [
     # the calls this module answers, and the availability check `provide` satisfies
@@ -83,6 +93,85 @@ class AccumulatingMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         _accumulate_op(x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1]), ctx.main_grad)
         return torch.matmul(grad_out, weight), torch.empty_like(weight), None
+
+
+@torch.library.custom_op("gridwright::accumulate_float8_weight_gradient", mutates_args=("main_grad",))
+def _accumulate_float8_op(grad_output_t: torch.Tensor, grad_output_inverse_scale: torch.Tensor,
+                          input_t: torch.Tensor, input_inverse_scale: torch.Tensor, main_grad: torch.Tensor,
+                          use_fast_accum: bool) -> None:
+    accumulate_float8_gemm(grad_output_t, grad_output_inverse_scale, input_t, input_inverse_scale, main_grad,
+                           use_fast_accum)
+
+
+@_accumulate_float8_op.register_fake
+def _(grad_output_t, grad_output_inverse_scale, input_t, input_inverse_scale, main_grad, use_fast_accum):
+    return None
+
+
+def float8_accumulates(config) -> bool:
+    """Whether a torchao Float8LinearConfig's weight gradient can be added into the buffer
+    by `Float8AccumulatingMatmul`: dynamic tensorwise scaling of every operand, each operand
+    cast the same way for both GEMMs it enters (the tensorwise recipe). Rowwise scaling
+    keeps torchao's function (cuBLASLt's rowwise scales are not bound here)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    casts = [config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output]
+    return (all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+                for c in casts)
+            and config.cast_config_input_for_grad_weight == config.cast_config_input
+            and config.cast_config_weight_for_grad_input == config.cast_config_weight
+            and config.cast_config_grad_output_for_grad_weight == config.cast_config_grad_output
+            and not config.pad_inner_dim)
+
+
+def _to_float8(t, cast, config):
+    """(float8 data, scale) of `t` under torchao's dynamic tensorwise scaling: the scale and
+    the saturating cast are torchao's, so the data equal its Float8TrainingTensor's."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(t, cast.target_dtype, round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+    return to_fp8_saturated(t.to(torch.float32) * scale, cast.target_dtype), scale
+
+
+def _float8_mm(a, a_scale, b, b_scale, out_dtype, use_fast_accum, emulate):
+    """(a / a_scale) @ (b / b_scale) as torchao's float8 mm computes it: a row-major, b
+    column-major (`torch._scaled_mm`'s layouts), or emulated in fp32 (CPU)."""
+    if emulate:
+        return torch.mm(a.float() / a_scale, b.float() / b_scale).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+class Float8AccumulatingMatmul(torch.autograd.Function):
+    """y = x @ W.T in float8 (torchao's tensorwise recipe), whose backward adds dW into
+    `main_grad` in its float8 GEMM and hands autograd an unwritten dW, as
+    `AccumulatingMatmul` does. The float8 input is saved for the backward instead of the bf16
+    one: under tensorwise scaling its cast for the weight gradient is the same cast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, main_grad, config):
+        x2d = x.reshape(-1, x.shape[-1])
+        x_data, x_scale = _to_float8(x2d, config.cast_config_input, config)
+        w_data, w_scale = _to_float8(weight, config.cast_config_weight, config)
+        out = _float8_mm(x_data, x_scale, w_data.t(), w_scale, x.dtype, config.gemm_config_output.use_fast_accum,
+                         config.emulate)
+        ctx.save_for_backward(x_data, x_scale, weight)
+        ctx.main_grad, ctx.config, ctx.input_shape = main_grad, config, x.shape  # main_grad: see AccumulatingMatmul
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_data, x_scale, weight = ctx.saved_tensors
+        config = ctx.config
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        g_data, g_scale = _to_float8(g2d, config.cast_config_grad_output, config)
+        w_data, w_scale = _to_float8(weight, config.cast_config_weight, config)
+        grad_x = _float8_mm(g_data, g_scale, w_data.t().contiguous().t(), w_scale, grad_out.dtype,
+                            config.gemm_config_grad_input.use_fast_accum, config.emulate)
+        # main_grad [out, in] += g.T @ x: both operands with the token dimension contiguous
+        _accumulate_float8_op(g_data.t().contiguous(), g_scale.reciprocal(), x_data.t().contiguous(),
+                              x_scale.reciprocal(), ctx.main_grad, config.gemm_config_grad_weight.use_fast_accum)
+        return grad_x.reshape(ctx.input_shape), torch.empty_like(weight), None, None
 
 
 def flag_added_gradients(weight) -> None:

@@ -40,9 +40,9 @@ class _HeuristicResult(ctypes.Structure):
 
 
 def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether cuBLASLt's float8 GEMM takes these operands: every leading dimension a
-    multiple of 16, the operands row-major (the `out` buffer may be a view into a larger
-    one: cuBLASLt needs its address 16-byte aligned)."""
+    """Whether cuBLASLt's float8 GEMM takes these operands in place: row-major, every
+    dimension a multiple of 16, every address 16-byte aligned (`out` may be a view into a
+    larger buffer). Elsewhere `accumulate_float8_gemm` writes the product and adds it."""
     return (all(t.dim() == 2 and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (a, b, out))
             and a.shape[1] % 16 == 0 and out.shape[1] % 16 == 0 and out.shape[0] % 16 == 0)
 
@@ -57,9 +57,10 @@ def accumulate_float8_gemm(a, a_inverse_scale, b, b_inverse_scale, out, use_fast
     if not out.is_cuda:
         out.addmm_(a.float() * a_inverse_scale, (b.float() * b_inverse_scale).t())
         return
-    if not supports(a, b, out):
-        raise ValueError(f"cuBLASLt's float8 GEMM cannot take shapes {tuple(a.shape)}, {tuple(b.shape)} "
-                         f"into {tuple(out.shape)} (leading dimensions must be multiples of 16)")
+    if not supports(a, b, out):  # e.g. a weight whose view into DDP's buffer starts unaligned
+        out.add_(torch._scaled_mm(a, b.t(), scale_a=a_inverse_scale, scale_b=b_inverse_scale, out_dtype=out.dtype,
+                                  use_fast_accum=use_fast_accum))
+        return
     lib = _library()
     device = out.device.index if out.device.index is not None else torch.cuda.current_device()
     # the heuristic picks among algorithms that work at these addresses' alignment (a

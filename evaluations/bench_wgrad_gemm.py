@@ -114,7 +114,7 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     text = (f"GPU: {card}, torch {torch.__version__}; {args.tokens} tokens. Time per GEMM (and add), mean of 20 "
             "after 3 warm-ups; error: relative to fp32 arithmetic on the same operands.\n\n" + table(rows))
-    path = write_markdown(args.out, f"bench_wgrad_gemm_{card.split()[-1].lower()}", " ".join(["python -m",
+    path = write_markdown(args.out, f"bench_wgrad_gemm_1x{card.split()[-1].lower()}", " ".join(["python -m",
                           "gridwright.evaluations.bench_wgrad_gemm"] + sys.argv[1:]), text, title="bench_wgrad_gemm")
     print(path.read_text())
 

@@ -52,6 +52,28 @@ def test_the_float8_gemm_adds_the_dequantized_product():
     assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6) and not torch.equal(out, start)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's GEMM needs CUDA (run on a GPU machine)")
+@pytest.mark.parametrize("offset", [0, 16, 1], ids=["aligned", "16_bytes", "4_bytes_fallback"])
+def test_the_cublaslt_gemm_adds_what_scaled_mm_computes(offset):
+    """On CUDA, M, N and K all different: the in-place GEMM (a buffer view at a 256- or
+    16-byte aligned address) and the fallback (4-byte aligned) add the product
+    `torch._scaled_mm` computes in fp32, and leave the rest of the buffer alone."""
+    torch.manual_seed(0)
+    a = torch.randn(96, 256, device="cuda").to(torch.float8_e5m2)
+    b = torch.randn(160, 256, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
+    storage = torch.randn(96 * 160 + 64, device="cuda")
+    out = storage[offset:offset + 96 * 160].view(96, 160)
+    before = storage.clone()
+    accumulate_float8_gemm(a, sa, b, sb, out)
+    product = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    expected = before[offset:offset + 96 * 160].view(96, 160) + product
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-4)
+    untouched = torch.ones_like(storage, dtype=torch.bool)
+    untouched[offset:offset + 96 * 160] = False
+    assert torch.equal(storage[untouched], before[untouched])
+
+
 def test_only_the_tensorwise_recipe_accumulates_in_float8():
     assert float8_accumulates(float8_setup("tensorwise", emulate=True)[0])
     assert not float8_accumulates(float8_setup("rowwise", emulate=True)[0])
@@ -75,11 +97,12 @@ def test_the_float8_matmul_is_torchaos_with_its_weight_gradient_in_the_buffer(co
         return Float8AccumulatingMatmul.apply(x, w, main_grad, config)
 
     fused_x, fused_w, buffer = x.clone().requires_grad_(), w.clone().requires_grad_(), start.clone()
-    (torch.compile(apply) if compiled else apply)(fused_x, fused_w, buffer).backward(dy)
+    # compiled as one graph: a break would raise here
+    fused_out = (torch.compile(apply, fullgraph=True) if compiled else apply)(fused_x, fused_w, buffer)
+    fused_out.backward(dy)
     ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
     out = matmul_with_hp_or_float8_args.apply(ref_x, ref_w.t(), mm_config, config)
     out.backward(dy)
-    fused_out = apply(x, w, start.clone())
     assert torch.equal(fused_out, out)
     assert torch.equal(fused_x.grad, ref_x.grad)
     added, reference = buffer - start, ref_w.grad.float()
@@ -218,19 +241,24 @@ def test_float8_runs_fuse_under_the_tensorwise_recipe_only(run_launch, tmp_path)
     """Float8 everywhere (the output layer too), fused against unfused: under the tensorwise
     recipe every linear fuses, the spec says so, and the losses follow the unfused run to the
     rounding the unfused run adds (its weight gradients are rounded to bf16 before they reach
-    the buffer); under the rowwise recipe no linear fuses, and the spec does not claim it."""
+    the buffer); under the rowwise recipe no linear fuses, and the spec does not claim it;
+    with the output layer tied to the embedding the layers still fuse."""
     runs = {}
-    for name, recipe, fused in (("tensorwise", "fp8_tensorwise", "true"), ("unfused", "fp8_tensorwise", "false"),
-                                ("rowwise", "fp8_rowwise", "true")):
+    for name, recipe, fused, more in (("tensorwise", "fp8_tensorwise", "true", []),
+                                      ("unfused", "fp8_tensorwise", "false", []),
+                                      ("rowwise", "fp8_rowwise", "true", []),
+                                      # the output layer holds no weight of its own: not routed
+                                      ("tied", "fp8_tensorwise", "true", ["model.tie_embeddings=true"])):
         job = tmp_path / name
         result = run_launch(f"precision={recipe}", "precision.fp8_backend=torchao", "precision.fp8_output_layer=true",
                             f"engine.gradient_accumulation_fusion={fused}", "train.steps=4", "tracking=off",
-                            f"job_dir={job}", timeout=600)
+                            f"job_dir={job}", *more, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         runs[name] = job
     specs = {name: json.loads((job / "summary.json").read_text())["layer_spec"] for name, job in runs.items()}
     assert "wgrad_accumulation" in specs["tensorwise"] and "float8_output_layer" in specs["tensorwise"]
     assert "wgrad_accumulation" not in specs["unfused"]
     assert "wgrad_accumulation" not in specs["rowwise"] and "float8_output_layer" in specs["rowwise"]
+    assert "wgrad_accumulation" in specs["tied"]
     fused, plain = _losses(runs["tensorwise"]), _losses(runs["unfused"])
     assert len(fused) == 4 and fused[0] == plain[0] and fused == pytest.approx(plain, rel=1e-3)

@@ -11,8 +11,11 @@ optional replacements where Transformer Engine is absent.
   arithmetic (saved tensors, gradients) against one process.
 * `fp8` (torchao): the matmul itself in float8 through torchao's
   `matmul_with_hp_or_float8_args` (dynamic tensorwise or rowwise scaling, forward and
-  backward), the function torchao's own `Float8Linear` calls. Only the local matmul
-  changes: the tensor-parallel communication stays Megatron-Core's (in bf16).
+  backward), the function torchao's own `Float8Linear` calls, or, where the weight
+  gradient is added into DDP's buffer in its GEMM (TP=1, tensorwise:
+  `accumulate_weight_gradients_in_gemm`), `wgrad_accumulation.Float8AccumulatingMatmul`,
+  with torchao's scaling and casts. Only the local matmul changes: the tensor-parallel
+  communication stays Megatron-Core's (in bf16).
 
 Parameter names, shapes and sharding are Megatron-Core's, so checkpoints do not change.
 The subclasses override Megatron-Core's private `_forward_impl` hook (and, for the
@@ -288,8 +291,8 @@ def accumulate_weight_gradients_in_gemm(model) -> int:
     for layer in model.modules():
         if not isinstance(layer, (GridwrightColumnParallelLinear, GridwrightRowParallelLinear)):
             continue
-        weight = layer.weight
-        if (routes_weight_gradients(layer.config, layer.tp_group.size()) and weight.requires_grad
+        weight = layer.weight  # None on an output layer tied to the embedding (it is handed the weight)
+        if (weight is not None and routes_weight_gradients(layer.config, layer.tp_group.size()) and weight.requires_grad
                 and hasattr(weight, "main_grad") and not getattr(weight, "zero_out_wgrad", False)):
             layer.gridwright_accumulates_wgrad = True
             flag_added_gradients(weight)

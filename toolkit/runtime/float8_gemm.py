@@ -145,8 +145,9 @@ class _Plan:
         if sys.is_finalizing():
             return
         lib = _library()
-        for layout in (self.lt_a_layout, self.lt_b_layout, self.lt_c_layout):
-            lib.cublasLtMatrixLayoutDestroy(layout)
+        for layout in (getattr(self, name, None) for name in ("lt_a_layout", "lt_b_layout", "lt_c_layout")):
+            if layout is not None:  # absent where the constructor failed before making it
+                lib.cublasLtMatrixLayoutDestroy(layout)
         lib.cublasLtMatmulDescDestroy(self.desc)
 
 

@@ -43,18 +43,10 @@ def _relative_error(got, exact, start) -> float:
     return ((got - exact).norm() / (exact - start).norm()).item()
 
 
-def _float8(t, dtype):
-    """(data, inverse scale): torchao's dynamic tensorwise cast."""
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
-
-    scale = tensor_to_scale(t, dtype)
-    return to_fp8_saturated(t.float() * scale, dtype), scale.reciprocal()
-
-
 def measure(name: str, out_features: int, in_features: int, tokens: int) -> dict:
     import torch
 
-    from gridwright.megatron_internals.wgrad_accumulation import accumulate_weight_gradient
+    from gridwright.megatron_internals.wgrad_accumulation import accumulate_weight_gradient, to_float8
     from gridwright.runtime.float8_gemm import accumulate_float8_gemm
 
     torch.manual_seed(0)
@@ -71,8 +63,8 @@ def measure(name: str, out_features: int, in_features: int, tokens: int) -> dict
     row["bf16 ms"] = (_milliseconds(lambda: buffer.add_(dy.t() @ x)),
                       _milliseconds(lambda: accumulate_weight_gradient(x, dy, buffer)))
 
-    dy8, dy_inverse = _float8(dy, torch.float8_e5m2)
-    x8, x_inverse = _float8(x, torch.float8_e4m3fn)
+    (dy8, dy_scale), (x8, x_scale) = to_float8(dy, torch.float8_e5m2), to_float8(x, torch.float8_e4m3fn)
+    dy_inverse, x_inverse = dy_scale.reciprocal(), x_scale.reciprocal()
     a, b = dy8.t().contiguous(), x8.t().contiguous()  # the token dimension contiguous in both
 
     def scaled_mm():

@@ -124,13 +124,18 @@ def float8_accumulates(config) -> bool:
             and not config.pad_inner_dim)
 
 
-def _to_float8(t, cast, config):
+def to_float8(t, dtype, round_scales_to_power_of_2: bool = False):
     """(float8 data, scale) of `t` under torchao's dynamic tensorwise scaling: the scale and
     the saturating cast are torchao's, so the data equal its Float8TrainingTensor's."""
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-    scale = tensor_to_scale(t, cast.target_dtype, round_scales_to_power_of_2=config.round_scales_to_power_of_2)
-    return to_fp8_saturated(t.to(torch.float32) * scale, cast.target_dtype), scale
+    scale = tensor_to_scale(t, dtype, round_scales_to_power_of_2=round_scales_to_power_of_2)
+    return to_fp8_saturated(t.to(torch.float32) * scale, dtype), scale
+
+
+def _to_float8(t, cast, config):
+    """`to_float8` as a torchao Float8LinearConfig casts one operand (`cast`)."""
+    return to_float8(t, cast.target_dtype, config.round_scales_to_power_of_2)
 
 
 def _float8_mm(a, a_scale, b, b_scale, out_dtype, use_fast_accum, emulate):

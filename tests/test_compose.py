@@ -79,13 +79,18 @@ def test_fp8_recipes_map_to_transformer_config(compose):
     ):
         cfg = compose("+experiment=bench_gpu", f"precision={preset}")
         kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))
+        # TE's fused rotary kernel for TE's layers (TransformerConfig refuses it where TE is absent)
+        assert kw.pop("apply_rope_fusion") is True
         tc = TransformerConfig(**kw)
         assert (tc.fp8, tc.fp8_recipe, tc.bf16) == (fmt, recipe, True)
     cfg = compose("+experiment=bench_gpu", "precision=fp8_delayed")
-    tc = TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg)))
+    kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))
+    kw.pop("apply_rope_fusion")
+    tc = TransformerConfig(**kw)
     assert tc.fp8_amax_history_len == 1024 and tc.fp8_amax_compute_algo == "max"
     cfg = compose("+experiment=bench_gpu")
-    assert TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))).fp8 is None
+    kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
+    assert kw["apply_rope_fusion"] is False and TransformerConfig(**kw).fp8 is None
     # Without Transformer Engine, torchao runs tensorwise inside the layers: no TE FP8 in the config
     cfg = compose("+experiment=bench_gpu", "precision=fp8_tensorwise")
     assert "fp8" not in transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
@@ -115,6 +120,6 @@ def test_recompute_and_moe_map_to_transformer_config(compose):
     from gridwright.planning.layout import ParallelLayout
 
     cfg = compose("+experiment=mixtral_ep8")
-    tc = TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg)))
+    tc = TransformerConfig(**transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False))
     assert tc.num_moe_experts == 8 and tc.moe_router_topk == 2 and tc.expert_model_parallel_size == 8
     assert tc.recompute_granularity == "full" and tc.recompute_method == "uniform"

@@ -101,6 +101,12 @@ class AttentionBackend(StrEnum):
     math = "math"
 
 
+class LayerSpec(StrEnum):
+    auto = "auto"  # Transformer Engine's where it imports, unless a torch-native-only key is set
+    transformer_engine = "transformer_engine"
+    torch_native = "torch_native"  # Megatron-Core's local spec with SDPA, torch RMSNorm, gridwright's linears
+
+
 class CudaGraphs(StrEnum):
     none = "none"
     layers = "layers"  # Megatron-Core's own graphs (cuda_graph_impl="local"): each layer's forward and backward
@@ -275,6 +281,11 @@ class EngineConfig:
     # family; megatron: Megatron-Core's GPTModel, the Megatron engine's own (ZeRO-1/2, any TP);
     # auto: megatron with parallel.tp>1, else huggingface.
     deepspeed_model: str = "auto"
+    # The Megatron-Core layer spec (engine=megatron): transformer_engine (TE's fused linears,
+    # norms, attention and FP8 recipes; CUDA with TE installed) | torch_native (SDPA, torch
+    # RMSNorm, torchao FP8; runs everywhere, compiles) | auto: TE where it imports, unless
+    # compile_layers, tp_comm_overlap or torchao's FP8 is asked for (gridwright.config.fp8_choice).
+    layer_spec: str = choice("auto", LayerSpec)
     # Megatron-Core DDP: overlap the gradient reduce-scatter/all-reduce with backward, and
     # (distributed optimizer only) the parameter all-gather with the next forward.
     overlap_grad_reduce: bool = False

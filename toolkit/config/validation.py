@@ -20,7 +20,7 @@ from ..engines.registry import is_known, rules
 from ..data.packing import longest_document
 from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout, max_seqlen_per_rank
-from .fp8_choice import fp8_backend
+from .fp8_choice import fp8_backend, torch_native_asked, transformer_engine_layers
 from .schema import declared_choices
 from ..planning.machine_probe import host_memory_bytes, probe
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
@@ -468,29 +468,40 @@ def _to_recipe(precision, recipe: str | None) -> dict:
     return {"precision": FP8_PRESETS[recipe]} if from_preset else {"precision.fp8_recipe": recipe}
 
 
-def fp8_machine_problems(cfg, te_available: bool) -> list[str]:
+def fp8_machine_problems(cfg, te_imports: bool) -> list[str]:
     """What this machine lacks for the run's FP8: said before a local launch, and by every
     worker at start (a Slurm or torchrun job's nodes are seen only by its workers)."""
     p = cfg.precision
-    # Transformer Engine counts only where its layer spec would be built
-    te_available = te_available and rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel)
-    backend = fp8_backend(p, te_available)
-    if backend == "transformer_engine" and te_available and p.fp8_output_layer:
-        return ["Transformer Engine imports here, so precision.fp8_backend=auto picks it: " + FP8_OUTPUT_LAYER_ON_TE]
-    if backend is None or backend == "transformer_engine" and te_available:
+    builds_spec = rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel)
+    te_layers = builds_spec and transformer_engine_layers(cfg.engine, p, te_imports)
+    backend = fp8_backend(p, te_layers)
+    if backend is None or backend == "transformer_engine" and te_layers:
         return []
     torchao_asked = _torchao_asked(p)
     if backend == "transformer_engine":
+        if te_imports and builds_spec:  # TE is here, but the run builds the torch-native spec
+            return [_te_fp8_on_torch_native(cfg.engine, p)]
         return [fp8_without_te(p)]
-    if te_available:  # torchao asked for where TE imports: TE's layer spec would be built, without torchao
+    if te_layers:  # torchao asked for where engine.layer_spec=transformer_engine builds TE's layers
         return [f"precision.fp8_backend=torchao (or recipe {p.fp8_recipe}) runs inside the torch-native layer spec, "
-                "but Transformer Engine imports here and its spec is used. Fix: precision.fp8_backend=transformer_engine "
-                "or auto with a Transformer Engine recipe."]
+                "but engine.layer_spec=transformer_engine builds Transformer Engine's. Fix: engine.layer_spec=auto."]
     if not torchao_asked and p.fp8_recipe not in TORCHAO_FP8_RECIPES:
         return [fp8_without_te(p)]
     if not torchao_available():
         return [TORCHAO_MISSING]
     return [] if torchao_asked else _torchao_fp8_problems(p, cfg.model, cfg.engine)  # auto fell back to torchao: its rules apply now
+
+
+def _te_fp8_on_torch_native(engine, precision) -> str:
+    """A Transformer Engine recipe in a run whose keys choose the torch-native spec."""
+    if engine.layer_spec == "torch_native":
+        why, fix = "engine.layer_spec=torch_native", "engine.layer_spec=auto"
+    else:
+        keys = torch_native_asked(engine, precision)
+        why = f"{', '.join(keys)} {'asks' if len(keys) == 1 else 'ask'} for the torch-native spec"
+        fix = " ".join(k.replace("=true", "=false") for k in keys)
+    return (f"precision.fp8_recipe={precision.fp8_recipe} is Transformer Engine's, but this run builds the "
+            f"torch-native layer spec ({why}). Fix: {fix}.")
 
 
 def _torchao_asked(precision) -> bool:
@@ -589,26 +600,51 @@ def check_torch_native_paths(cfg, for_launch: bool = False) -> list[str]:
     if e.tp_comm_overlap and not (cfg.parallel.sp and cfg.parallel.tp > 1):
         return ["engine.tp_comm_overlap=true overlaps sequence parallelism's communication: it needs "
                 "parallel.tp>1 and parallel.sp=true."]
-    keys = _torch_native_keys_on(e)
     if e.compile_layers and cfg.parallel.tp > 1 and not e.tp_comm_overlap:
         return [COMPILED_MEGATRON_TP]
-    if keys and for_launch and cfg.launcher.name == "local" and cfg.cluster.device == "cuda":
-        return torch_native_machine_problems(e, cfg.parallel, probe(transformer_engine=True).transformer_engine)
+    return check_layer_spec(cfg, for_launch)
+
+
+def check_layer_spec(cfg, for_launch: bool = False) -> list[str]:
+    """engine.layer_spec=transformer_engine: CUDA, the Megatron-Core model, none of the
+    torch-native spec's own keys, and (before a local launch) TE importable here."""
+    e = cfg.engine
+    if e.layer_spec != "transformer_engine":
+        return []
+    if not rules(e).builds_megatron_layer_spec(e, cfg.parallel):
+        return ["engine.layer_spec=transformer_engine applies to Megatron-Core's GPTModel; this run trains the "
+                "Hugging Face model. Fix: engine.layer_spec=auto, or engine.deepspeed_model=megatron."]
+    if cfg.cluster.device != "cuda":
+        return [f"engine.layer_spec=transformer_engine needs CUDA; cluster '{cfg.cluster.name}' runs on "
+                f"{cfg.cluster.device}. Fix: engine.layer_spec=auto."]
+    keys = torch_native_asked(e, cfg.precision)
+    if keys:
+        return [f"engine.layer_spec=transformer_engine with {', '.join(keys)}: "
+                f"{'that runs' if len(keys) == 1 else 'those run'} only in the torch-native spec. "
+                f"Fix: engine.layer_spec=auto, or {' '.join(k.split('=')[0] + '=' + _off(k) for k in keys)}."]
+    if for_launch and cfg.launcher.name == "local":
+        return layer_spec_machine_problems(e, cfg.parallel, probe(transformer_engine=True).transformer_engine)
     return []
 
 
-def _torch_native_keys_on(engine) -> list[str]:
-    return [k for k in ("tp_comm_overlap", "compile_layers") if getattr(engine, k)]
+def _off(key: str) -> str:
+    """The value that turns a torch-native-only key off (torch_native_asked's keys)."""
+    return {"precision.fp8_backend=torchao": "auto", "precision.fp8_recipe=rowwise": "tensorwise"}.get(key, "false")
 
 
-def torch_native_machine_problems(engine, parallel, te_available: bool) -> list[str]:
-    """The torch-native paths asked for where Transformer Engine imports (its spec is then
-    used): said before a local launch, and by every worker at start."""
-    keys = _torch_native_keys_on(engine)
-    if not (te_available and keys and rules(engine).builds_megatron_layer_spec(engine, parallel)):
+def layer_spec_machine_problems(engine, parallel, te_imports: bool) -> list[str]:
+    """Transformer Engine's layers asked for (engine.layer_spec=transformer_engine) where TE
+    does not import: said before a local launch, and by every worker at start."""
+    if engine.layer_spec != "transformer_engine" or te_imports:
         return []
-    return [f"{', '.join(f'engine.{k}=true' for k in keys)} applies to the torch-native layer spec; Transformer "
-            "Engine imports here, so its spec is used, which gridwright does not compile or overlap: turn it off."]
+    if not rules(engine).builds_megatron_layer_spec(engine, parallel):
+        return []
+    return [LAYER_SPEC_WITHOUT_TE]
+
+
+LAYER_SPEC_WITHOUT_TE = ("engine.layer_spec=transformer_engine: Transformer Engine cannot be imported here (it needs "
+                         "CUDA, cuDNN and its wheel). Fix: engine.layer_spec=auto (the torch-native spec where TE "
+                         "is absent).")
 
 
 def check_megatron_core(launcher, for_launch: bool) -> list[str]:

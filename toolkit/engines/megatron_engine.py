@@ -21,6 +21,7 @@ from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
 from ..megatron_internals.parallel_linear import accumulate_weight_gradients_in_gemm
 from ..planning.machine_probe import transformer_engine_available
+from ..config.fp8_choice import transformer_engine_layers
 from .megatron_model import (
     build_model_chunks,
     choose_torch_native_paths,
@@ -122,11 +123,11 @@ class MegatronTrainer:
         model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs,
                                         force_reset_rng=graphs)
 
-        te = (not self.on_cpu) and transformer_engine_available()
+        te = transformer_engine_layers(cfg.engine, cfg.precision, (not self.on_cpu) and transformer_engine_available())
         self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
         choose_torch_native_paths(cfg, self.tcfg, te)
         chunks = build_model_chunks(cfg.model, cfg.parallel, self.tcfg, te)
-        if cfg.engine.compile_layers and not te:
+        if cfg.engine.compile_layers:  # torch-native layers only (transformer_engine_layers)
             compile_layers(chunks)
         self.spec_name = spec_name(chunks, self.tcfg, te)
         self.chunks = chunks

@@ -86,7 +86,9 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        # Transformer Engine's fused rotary kernel, where its layers are built (the torch-native
+        # spec has none: Megatron-Core's fallback needs Apex)
+        apply_rope_fusion=te_available and fused_kernels(cfg),
         persist_layer_norm=False,
         # Apex's GEMM in Megatron-Core's own hook, supplied by torch (wgrad_accumulation)
         gradient_accumulation_fusion=gradient_accumulation_fusion(cfg),
@@ -220,7 +222,7 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
     """What the built model runs, read from the model itself (for the summary), e.g.
     "local+sdpa+compiled+tp_overlap+float8_tensorwise(torchao)"."""
     if te_available:
-        return "transformer_engine"
+        return _te_spec_name(chunks, tcfg)
     from ..megatron_internals.parallel_linear import routes_weight_gradients
 
     layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
@@ -246,6 +248,21 @@ def spec_name(chunks, tcfg, te_available: bool) -> str:
         name += "+cp_a2a"
     if tcfg.cuda_graph_impl == "local":
         name += "+cuda_graphs(layers)"
+    return name
+
+
+def _te_spec_name(chunks, tcfg) -> str:
+    """The Transformer Engine spec's name, e.g. "transformer_engine+fp8(delayed,hybrid)+fused(rope,...)"."""
+    name = "transformer_engine"
+    if tcfg.fp8:
+        name += f"+fp8({tcfg.fp8_recipe},{tcfg.fp8})"
+    fused = [n for n, on in (("rope", tcfg.apply_rope_fusion), ("swiglu", tcfg.bias_activation_fusion),
+                             ("cross_entropy", tcfg.cross_entropy_loss_fusion),
+                             ("wgrad_accumulation", tcfg.gradient_accumulation_fusion)) if on]
+    if fused:
+        name += f"+fused({','.join(fused)})"
+    if tcfg.cuda_graph_impl != "none":
+        name += f"+cuda_graphs({tcfg.cuda_graph_impl})"
     return name
 
 

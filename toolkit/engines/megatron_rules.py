@@ -2,7 +2,7 @@
 Torch-free (validation and planning import it); see `protocol`."""
 from __future__ import annotations
 
-from ..config.fp8_choice import fp8_backend
+from ..config.fp8_choice import fp8_backend, transformer_engine_layers
 from .protocol import Capabilities, Recipe, StateSharding
 from .zero_settings import explicit_deepspeed_only_keys
 
@@ -39,18 +39,19 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
         out.append(TP_SP_RECIPE)
     if layout.cp > 1 and cfg.parallel.cp_mode == "static":
         out.append(CP_RECIPE)
-    if cfg.precision.fp8_recipe == "tensorwise" and _fp8_backend_planned(cfg.precision) == "torchao":
+    if cfg.precision.fp8_recipe == "tensorwise" and _fp8_backend_planned(cfg.engine, cfg.precision) == "torchao":
         out.append(FP8_OUTPUT_RECIPE)
     return out
 
 
-def _fp8_backend_planned(precision) -> str | None:
+def _fp8_backend_planned(engine, precision) -> str | None:
     """Whose FP8 the run will get, taking Transformer Engine as available where it is
     installed: a plan does not import it (seconds), and where it is installed but does not
     import the note is left out rather than wrongly given."""
     import importlib.util
 
-    return fp8_backend(precision, te_available=importlib.util.find_spec("transformer_engine") is not None)
+    te_installed = importlib.util.find_spec("transformer_engine") is not None
+    return fp8_backend(precision, transformer_engine_layers(engine, precision, te_installed))
 
 
 def state_sharding(zero) -> StateSharding:
@@ -61,7 +62,7 @@ def state_sharding(zero) -> StateSharding:
 
 
 def builds_megatron_layer_spec(engine, parallel) -> bool:
-    """Megatron-Core's layer spec: Transformer Engine's where it imports, else torch-native."""
+    """Megatron-Core's layer spec: Transformer Engine's or torch-native (engine.layer_spec)."""
     return True
 
 

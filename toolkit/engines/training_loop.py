@@ -53,7 +53,7 @@ def _choose_attention(cfg, layout, trainer, job_dir) -> attention_kernels.Attent
     shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout, cfg.parallel.cp_comm_type)
     choice = attention_kernels.choose(cfg.engine.attention_backend, shape, DTYPES[cfg.precision.params_dtype],
                                       trainer.device, packed=bool(cfg.data.packing),
-                                      transformer_engine=trainer.spec_name == "transformer_engine")
+                                      transformer_engine=trainer.spec_name.startswith("transformer_engine"))
     if dist.get_rank() == 0:
         attention_kernels.remember(choice, job_dir)
     return choice

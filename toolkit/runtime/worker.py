@@ -273,10 +273,10 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
     in bf16 while MFU divided by the FP8 peak."""
     from ..planning.machine_probe import transformer_engine_available
-    from ..config.validation import fp8_machine_problems, torch_native_machine_problems
+    from ..config.validation import fp8_machine_problems, layer_spec_machine_problems
 
     te = cfg.cluster.device == "cuda" and transformer_engine_available()
-    problems = fp8_machine_problems(cfg, te) + torch_native_machine_problems(cfg.engine, cfg.parallel, te)
+    problems = fp8_machine_problems(cfg, te) + layer_spec_machine_problems(cfg.engine, cfg.parallel, te)
     if problems:
         raise RuntimeError(" ".join(problems))
 

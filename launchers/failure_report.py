@@ -186,10 +186,24 @@ def _error_file(path: Path) -> tuple[str, str]:
     return str(message), ""
 
 
+# Where a message's advice begins: gridwright's "Fix:" and the forms upstream errors use
+# (Transformer Engine: "To load it anyway, set NVTE_...=1").
+_ADVICE = re.compile(r"(?:\bFix:|\bTo [a-z][\w ]* anyway\b|\b[Ss]et [A-Z][A-Z0-9_]+=|\b[Ss]et [a-z_]+\.[\w.]+=)")
+
+
 def _one_line(message: str, most: int = 300) -> str:
-    """A message's first lines as one line (a placement error names the mismatch on its second)."""
+    """A message's first lines as one line (a placement error names the mismatch on its
+    second). A long one is shortened in the middle, never through its advice: the part
+    from where the advice begins is kept whole."""
     text = " ".join(line.strip() for line in message.strip().splitlines()[:3])
-    return text if len(text) <= most else text[: most - 3] + "..."
+    if len(text) <= most:
+        return text
+    # the earliest advice that fits, so that all of it is kept
+    advice = next((text[m.start():] for m in _ADVICE.finditer(text) if len(text) - m.start() <= most - 45), "")
+    if not advice:
+        return text[: most - 3] + "..."
+    head = text[: max(most - len(advice) - 5, 40)].rstrip()
+    return f"{head} ... {advice}"
 
 
 def _log_tail(path: Path, lines: int = 60) -> str:

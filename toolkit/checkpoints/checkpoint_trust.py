@@ -227,10 +227,36 @@ def refuse_pickled_code(iteration_dir: str | os.PathLike, trust: bool | None = N
             with open(shard, "rb") as f:
                 f.seek(info.offset)
                 record = f.read(info.length)
+            where = f"{path / info.relative_path} (object '{fqn}')"
             try:
-                load_torch_file(io.BytesIO(record))
+                value = load_torch_file(io.BytesIO(record))
             except UntrustedCheckpointFile as e:
-                raise UntrustedCheckpointFile(f"{path / info.relative_path} (object '{fqn}')", e.needs) from None
+                raise UntrustedCheckpointFile(where, e.needs) from None
+            refuse_unsafe_extra_states({fqn: value}, where)
+
+
+def refuse_unsafe_extra_states(state: dict, where: str) -> int:
+    """Read every Transformer Engine `_extra_state` in a loaded state dict without running
+    code (te_extra_state); raises UntrustedCheckpointFile naming `where`, the key and the
+    global. Returns how many held a pickle."""
+    from .te_extra_state import UnsafeExtraState, read_all
+
+    try:
+        return read_all(state)
+    except UnsafeExtraState as e:
+        raise UntrustedCheckpointFile(f"{where} (Transformer Engine extra state '{e.key}')", e.needs) from None
+
+
+def load_state_dict_vetted(module, state: dict, where: str, strict: bool = False):
+    """`module.load_state_dict(state)`, every TE extra state in it read safely first; TE
+    then unpickles exactly those in-memory bytes, with its opt-in set for this call only.
+    With trust (checkpoint.trust_pickled_code) TE reads them itself, opted in."""
+    from .te_extra_state import te_reads_vetted_pickles
+
+    if not _trusted(None) and refuse_unsafe_extra_states(state, where) == 0:
+        return module.load_state_dict(state, strict=strict)
+    with te_reads_vetted_pickles():
+        return module.load_state_dict(state, strict=strict)
 
 
 def refuse_pickled_code_on_every_rank(iteration_dir: str | os.PathLike) -> None:

@@ -24,7 +24,7 @@ from ..checkpoints.checkpoint_dir import (
     iteration_name,
     model_differences,
 )
-from ..checkpoints.checkpoint_trust import read_dcp_metadata, refuse_pickled_code_on_every_rank
+from ..checkpoints.checkpoint_trust import load_state_dict_vetted, read_dcp_metadata, refuse_pickled_code_on_every_rank
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
 from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
@@ -176,8 +176,9 @@ def load_model_weights(chunks: list, checkpoint_dir: str | os.PathLike) -> None:
 
 
 def _load_weights_into(module, state: dict, path) -> None:
-    """load_state_dict that tolerates absent `_extra_state` entries and nothing else."""
-    result = module.load_state_dict(state, strict=False)
+    """load_state_dict that tolerates absent `_extra_state` entries and nothing else (TE's
+    FP8 extra states read without running code first: checkpoint_trust)."""
+    result = load_state_dict_vetted(module, state, str(path))
     wrong = [k for k in result.missing_keys + result.unexpected_keys if not k.endswith("_extra_state")]
     if wrong:
         raise CheckpointError(f"{path}: weights do not match the model: {', '.join(wrong[:8])}")

@@ -1,6 +1,6 @@
 """Training throughput, MFU, exposed communication and memory on the local GPU(s).
 
-    python -m gridwright.evaluations.bench_gpu [--suite performance|engines|zero_speed|all] [--only NAME ...]
+    python -m gridwright.evaluations.bench_gpu [--suite performance|engines|zero_speed|te|all] [--only NAME ...]
         [--one-gpu-cases-side-by-side]
 
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
@@ -13,7 +13,9 @@ the same invocation.
 
 The `performance` suite (the default) runs each layout as it was (`..._base`: the
 torch-native spec uncompiled, Megatron-Core's SP communication) and with the faster
-paths: compiled layers, async TP, FP8 through torchao.
+paths: compiled layers, async TP, FP8 through torchao. The `te` suite runs Transformer
+Engine's layer spec (bf16, each FP8 recipe, micro-batch and recompute for FP8, CUDA graphs)
+beside the torch-native spec's best bf16 and FP8 rows.
 
 `--one-gpu-cases-side-by-side` runs the one-GPU cases two at a time, one per GPU (the
 table says so): it halves their wall time where device time is short, at the price of a
@@ -237,8 +239,34 @@ def varlen_suite(gpus: int, prefix: str) -> dict:
 
 VARLEN = varlen_suite(4, "varlen")
 VARLEN_2GPU = varlen_suite(2, "varlen2")
+# Transformer Engine's layer spec (its fused linears, norms, rotary and cuDNN attention)
+# beside the torch-native spec's best paths, in one call: bf16, each FP8 recipe, FP8 at
+# micro-batch 1 (micro-batch 4 does not fit one H200 without full recompute, by the
+# memory estimate), and CUDA graphs on TE layers.
+TE = ["engine.layer_spec=transformer_engine"]
+TE_DELAYED, TE_CURRENT, TE_BLOCKWISE = (TE + ["precision=fp8_delayed"], TE + ["precision=fp8_tensorwise"],
+                                        TE + ["precision=fp8_blockwise"])
+TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
+        "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
+    "llama3_8b_16l_1gpu_mb2_te": (1, LLAMA3_8B_16L_1GPU_MB2 + TE),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE),
+    "llama3_8b_16l_1gpu_mb1_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + ["train.micro_batch_size=1"]),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
+    "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
+    "bench_1b_1gpu_te": (1, BENCH_1GPU + TE),
+    "bench_1b_1gpu_te_graphs": (1, BENCH_1GPU + TE + GRAPHS),
+    "bench_1b_1gpu_te_fp8_delayed": (1, BENCH_1GPU + TE_DELAYED),
+    "bench_1b_1gpu_te_fp8_current": (1, BENCH_1GPU + TE_CURRENT),
+    "bench_1b_1gpu_te_fp8_blockwise": (1, BENCH_1GPU + TE_BLOCKWISE),
+}.items()}
+
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
-          "varlen_2gpu": VARLEN_2GPU, "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU}}
+          "varlen_2gpu": VARLEN_2GPU, "te": TE_SUITE,
+          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU, **TE_SUITE}}
 
 
 def device_overrides() -> list[str]:
@@ -479,10 +507,19 @@ def main() -> None:
     print(write_results(args.out, stamp, rows, card, n), flush=True)
 
 
+def te_version() -> str:
+    """", Transformer Engine X" where it imports (its spec's rows then ran on it)."""
+    try:
+        import transformer_engine
+    except Exception:  # absent, or present without CUDA/cuDNN
+        return ""
+    return f", Transformer Engine {transformer_engine.__version__}"
+
+
 def write_results(out: Path, stamp: str, rows: list[dict], card: str, n: int) -> str:
     import torch
 
-    text = table(rows, f"{n} x {card}, torch {torch.__version__}")
+    text = table(rows, f"{n} x {card}, torch {torch.__version__}{te_version()}")
     write_markdown(out, "bench_gpu", "python -m gridwright.evaluations.bench_gpu " + " ".join(sys.argv[1:]), text, stamp)
     (out / f"bench_gpu_{stamp}.json").write_text(json.dumps({"card": card, "gpus": n, "rows": rows}, indent=1))
     return text

@@ -44,16 +44,16 @@ def plant_in_dcp_metadata(iteration: Path, marker: Path) -> None:
         pickle.dump(Payload(marker, real), f)
 
 
-def plant_in_dcp_shard(iteration: Path, marker: Path) -> str:
-    """One pickled object inside a `.distcp` shard (the RNG state Megatron-Core keeps as
-    bytes) replaced by one that runs code: appended to its shard, and the index pointed at
-    it. Returns the object's name."""
+def plant_in_dcp_shard(iteration: Path, marker: Path, fqn: str | None = None, replace=None) -> str:
+    """One pickled object inside a `.distcp` shard (the first Megatron-Core keeps as bytes,
+    or `fqn`) replaced by one that runs code (or by `replace(original, marker)`): appended
+    to its shard, and the index pointed at it. Returns the object's name."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     with open(iteration / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    fqn = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    fqn = fqn or next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
     index = MetadataIndex(fqn)
     info = metadata.storage_data[index]
     shard = iteration / info.relative_path
@@ -61,7 +61,7 @@ def plant_in_dcp_shard(iteration: Path, marker: Path) -> str:
         f.seek(info.offset)
         original = torch.load(io.BytesIO(f.read(info.length)), weights_only=False)
     buffer = io.BytesIO()
-    torch.save(Payload(marker, original), buffer)
+    torch.save((replace or Payload)(marker, original), buffer)
     offset = shard.stat().st_size
     with open(shard, "ab") as f:
         f.write(buffer.getvalue())
@@ -69,6 +69,28 @@ def plant_in_dcp_shard(iteration: Path, marker: Path) -> str:
     with open(iteration / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     return fqn
+
+
+def te_extra_state(recipe, history: int = 1024) -> bytes:
+    """Transformer Engine's delayed-scaling extra state as TE 2.19 pickles it (module/base.py,
+    get_extra_state), made without TE: the recipe, the forward and backward scales and amax
+    histories as CPU tensors, and the plain FP8 variables; `recipe` stands in for the
+    recipe object (an attacker's payload)."""
+    state = {"recipe": recipe, "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(history, 3),
+             "scale_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(history, 2),
+             "extra_fp8_variables": {"fp8_checkpoint": True, "num_gemms": 1, "fp8_max_fwd": 448,
+                                     "fp8_max_bwd": 57344}}
+    return pickle.dumps(state)
+
+
+def plant_in_te_extra_state(iteration: Path, marker: Path) -> str:
+    """A linear's `_extra_state` object (where TE keeps FP8 scales) replaced by TE's format
+    with a code-running recipe, as the uint8 tensor TE writes. Returns the object's name."""
+    def replace(marker, original):
+        return torch.frombuffer(bytearray(te_extra_state(Payload(marker, 0))), dtype=torch.uint8)
+
+    return plant_in_dcp_shard(iteration, marker, "decoder.layers.self_attention.linear_proj._extra_state/shard_0_4",
+                              replace)
 
 
 def _refresh_manifest(file: Path) -> None:

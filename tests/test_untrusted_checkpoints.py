@@ -21,6 +21,7 @@ from checkpoint_payloads import (
     latest,
     plant_in_dcp_metadata,
     plant_in_dcp_shard,
+    plant_in_te_extra_state,
     plant_in_torch_file,
 )
 from conftest import REPO
@@ -64,6 +65,8 @@ PLANTS = {
     "megatron common.pt": ("megatron", lambda it, m: plant_in_torch_file(it / "common.pt", m)),
     "megatron .metadata": ("megatron", plant_in_dcp_metadata),
     "megatron .distcp object": ("megatron", plant_in_dcp_shard),
+    # Transformer Engine's FP8 extra state: a pickle inside the uint8 tensor of a .distcp object
+    "megatron TE extra state": ("megatron", plant_in_te_extra_state),
     "zero0 model states": ("zero0", lambda it, m: plant_in_torch_file(it / "mp_rank_00_model_states.pt", m)),
     "zero3 optimizer states": ("zero3", lambda it, m: plant_in_torch_file(
         it / "zero_pp_rank_1_mp_rank_00_optim_states.pt", m)),
@@ -88,7 +91,8 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
     shutil.copytree(saved[kind], ck)
     put(latest(ck), marker)
     planted = {"megatron common.pt": "common.pt", "megatron .metadata": ".metadata",
-               "megatron .distcp object": ".distcp", "zero0 model states": "mp_rank_00_model_states.pt",
+               "megatron .distcp object": ".distcp", "megatron TE extra state": "Transformer Engine extra state",
+               "zero0 model states": "mp_rank_00_model_states.pt",
                "zero3 optimizer states": "optim_states.pt", "zero3 model states": "model_states.pt"}[plant]
     engine = [] if kind == "megatron" else ["engine=deepspeed", f"zero=stage{kind[-1]}"]
 
@@ -111,9 +115,26 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
         refused_in_one_line(convert(tmp_path, *direction, "--out", str(tmp_path / f"out{i}")), planted)
         assert not (tmp_path / f"out{i}").exists()
     assert not marker.exists(), f"the payload in the {plant} ran"
+    if kind == "megatron" and "TE" in plant:
+        # Live: unpickled as TE would unpickle it (the torch-native layers never read it)
+        pickle.loads(te_payload(ck))
+        assert marker.exists(), "the planted TE extra state did not run when unpickled: the test proves nothing"
+        return
     # The payload is live: a resume that trusts the checkpoint runs it.
     launch(tmp_path, *engine, "train.steps=3", f"checkpoint.load={ck}", "checkpoint.trust_pickled_code=true")
     assert marker.exists(), "the planted payload did not run even when trusted: the test proves nothing"
+
+
+def te_payload(ck: Path) -> bytes:
+    """The planted extra state's pickle, read back as TE reads the object (a uint8 tensor)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    it = latest(ck)
+    info = read_dcp_metadata(it).storage_data[MetadataIndex(
+        "decoder.layers.self_attention.linear_proj._extra_state/shard_0_4")]
+    with open(it / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        return load_torch_file(io.BytesIO(f.read(info.length))).numpy().tobytes()
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ def test_the_float8_gemm_adds_the_dequantized_product():
     assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6) and not torch.equal(out, start)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's GEMM needs CUDA (run on a GPU machine)")
 @pytest.mark.parametrize("offset", [0, 16, 1], ids=["aligned", "16_bytes", "4_bytes_fallback"])
 def test_the_cublaslt_gemm_adds_what_scaled_mm_computes(offset):

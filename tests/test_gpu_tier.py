@@ -1,0 +1,138 @@
+"""The GPU tier (`python -m pytest -m gpu`, on a machine with a CUDA GPU and Transformer
+Engine): TE imports and computes, a TE-spec run trains, and a TE FP8 run stopped after a
+save resumes with the uninterrupted run's losses at every step, under delayed and current
+scaling. `python -m gridwright.evaluations.gpu_tier` runs this tier and writes its results
+file; there a skip counts as a failure. Elsewhere these tests skip."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+pytestmark = pytest.mark.gpu
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier)")
+needs_te = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+                              reason="needs CUDA and Transformer Engine (the GPU tier)")
+
+# Small enough for seconds, with every dimension a multiple of 16 (FP8 GEMMs need it).
+MODEL = ["model=tiny_llama", "model.hidden_size=256", "model.ffn_hidden_size=768", "model.num_attention_heads=4",
+         "model.num_query_groups=2", "train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=8",
+         "train.warmup_steps=1", "cluster=h100_x1", "tracking=off"]
+RECIPES = {"delayed": "precision=fp8_delayed", "current": "precision=fp8_tensorwise"}
+
+
+def launch(tmp: Path, job: str, *args, timeout: int = 400) -> tuple[subprocess.CompletedProcess, Path]:
+    job_dir = tmp / job
+    # TE's deterministic fused attention: a resume can equal the uninterrupted run only so
+    env = {**os.environ, "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    result = subprocess.run([sys.executable, str(REPO / "launch.py"), *MODEL, f"job_root={tmp / 'jobs'}",
+                             f"job_dir={job_dir}", *args], cwd=tmp, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result, job_dir
+
+
+def losses(job: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@needs_te
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling"])
+def test_transformer_engine_linear_computes_in_fp8(recipe):
+    """te.Linear under an FP8 recipe: forward near the bf16 product, gradients finite."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as recipes
+
+    torch.manual_seed(0)
+    layer = te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16).cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.fp8_autocast(enabled=True, fp8_recipe=getattr(recipes, recipe)()):
+        y = layer(x)
+    y.float().square().sum().backward()
+    reference = x.detach().float() @ layer.weight.detach().float().t()
+    error = (y.float() - reference).norm() / reference.norm()
+    assert 0 < error < 0.1, error  # FP8 rounds (error > 0), but stays near the product
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+
+
+@needs_te
+def test_a_transformer_engine_run_trains_in_bf16_and_fp8(tmp_path):
+    """The same seed in bf16 and FP8 (delayed scaling): both learn, and end near each other."""
+    final = {}
+    for name, precision in (("bf16", "precision=bf16"), ("delayed", RECIPES["delayed"])):
+        result, job = launch(tmp_path, name, precision, "train.steps=20", "train.lr=3e-3")
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["layer_spec"].startswith("transformer_engine"), summary["layer_spec"]
+        assert ("+fp8(delayed" in summary["layer_spec"]) == (name == "delayed"), summary["layer_spec"]
+        run = losses(job)
+        assert run[max(run)] < run[min(run)] - 0.2, run  # it learns (5.59 -> 5.23 seen in bf16)
+        final[name] = run[max(run)]
+    assert abs(final["delayed"] - final["bf16"]) < 0.05 * final["bf16"], final
+
+
+@needs_te
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_transformer_engine_fp8_run_resumes_exactly(recipe, tmp_path):
+    """Saved at step 3 and at step 6 of 8; resumed from step 3 (as after a stop there), the
+    run gives the uninterrupted run's losses bit for bit at every later step. Under delayed
+    scaling the FP8 scales and amax histories travel in TE's extra state, read safely."""
+    steps, ck = 8, tmp_path / "ck"
+    _, whole = launch(tmp_path, "whole", RECIPES[recipe], f"train.steps={steps}", f"checkpoint.save={ck}",
+                      "checkpoint.save_interval=3")
+    reference = losses(whole)
+    assert sorted(reference) == list(range(steps))
+    saved = json.loads((whole / "summary.json").read_text())
+    assert saved["layer_spec"].startswith("transformer_engine+fp8"), saved["layer_spec"]
+    pickles = extra_state_pickles(ck / "iter_0000003")
+    assert bool(pickles) == (recipe == "delayed"), sorted(pickles)  # current scaling keeps no state
+    keep_fixture(recipe, pickles)
+    # As a stop after step 3 leaves it: the later iteration removed, `latest` at step 3
+    shutil.rmtree(ck / "iter_0000006")
+    (ck / "latest").write_text("iter_0000003")
+    result, resumed_job = launch(tmp_path, "resumed", RECIPES[recipe], f"train.steps={steps}", f"checkpoint.load={ck}")
+    assert "resuming after step 3" in result.stdout, result.stdout[-2000:]
+    resumed = losses(resumed_job)
+    assert sorted(resumed) == list(range(3, steps))
+    assert {s: resumed[s] for s in resumed} == {s: reference[s] for s in resumed}
+
+
+def extra_state_pickles(iteration: Path) -> dict[str, bytes]:
+    """The non-empty TE extra states of one checkpoint: {object name: pickle bytes}."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from gridwright.checkpoints.checkpoint_trust import load_torch_file, read_dcp_metadata
+    from gridwright.checkpoints.te_extra_state import is_extra_state_key, payload_bytes
+
+    metadata, out = read_dcp_metadata(iteration), {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not (isinstance(entry, BytesStorageMetadata) and is_extra_state_key(fqn)):
+            continue
+        info = metadata.storage_data[MetadataIndex(fqn)]
+        with open(iteration / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            value = load_torch_file(io.BytesIO(f.read(info.length)))
+        for i, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            data = payload_bytes(item)
+            if data:
+                out[f"{fqn}[{i}]"] = data
+    return out
+
+
+def keep_fixture(recipe: str, pickles: dict[str, bytes]) -> None:
+    """GRIDWRIGHT_TE_FIXTURES=DIR: keep one extra state TE wrote (the CPU tests' real file)."""
+    where = os.environ.get("GRIDWRIGHT_TE_FIXTURES")
+    if where and pickles:
+        name = next(k for k in sorted(pickles) if "linear_proj" in k)
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / f"te_extra_state_{recipe}.pkl").write_bytes(pickles[name])

@@ -31,6 +31,11 @@ REFUSALS = {
     "one_gpu_preset_without_gpus": (["+experiment=bench_gpu"], ["launcher=plan"], 1),
     "fp8_without_te_without_gpus": (GPU8 + ["model=bench_1b", "cluster=h100_x1", "precision=fp8_delayed",
                                             "train.global_batch_size=8"], ["launcher=plan"], 1),
+    # whose layers: Transformer Engine's asked for where it cannot run, or beside torch-native-only keys
+    "te_layers_on_cpu": (["engine.layer_spec=transformer_engine"], ["engine.layer_spec=auto"], 1),
+    "te_layers_with_compiled_layers": (GPU8 + ["model=bench_1b", "cluster=h100_x1", "train.global_batch_size=8",
+                                               "launcher=plan", "engine.layer_spec=transformer_engine",
+                                               "engine.compile_layers=true"], ["engine.layer_spec=auto"], 1),
     "local_multinode_gpu": (GPU8 + ["model=llama3_8b", "cluster.nodes=2", "parallel.tp=8"], ["launcher=torchrun"], 1),
     "local_multinode_cpu": (["cluster.nodes=2"], ["launcher=torchrun"], 1),
     # how the layout divides the model

@@ -478,9 +478,10 @@ def fp8_machine_problems(cfg, te_imports: bool) -> list[str]:
     if backend is None or backend == "transformer_engine" and te_layers:
         return []
     torchao_asked = _torchao_asked(p)
+    te_recipe = p.fp8_backend == "transformer_engine" or p.fp8_recipe not in TORCHAO_FP8_RECIPES
+    if te_recipe and te_imports and builds_spec:  # TE is here, but the run builds the torch-native spec
+        return [_te_fp8_on_torch_native(cfg.engine, p)]
     if backend == "transformer_engine":
-        if te_imports and builds_spec:  # TE is here, but the run builds the torch-native spec
-            return [_te_fp8_on_torch_native(cfg.engine, p)]
         return [fp8_without_te(p)]
     if te_layers:  # torchao asked for where engine.layer_spec=transformer_engine builds TE's layers
         return [f"precision.fp8_backend=torchao (or recipe {p.fp8_recipe}) runs inside the torch-native layer spec, "

@@ -1,0 +1,67 @@
+"""Whose layers a run builds (engine.layer_spec) and what each machine refuses: the rules a
+worker applies at start, checked here as if Transformer Engine imported (te_imports=True)
+or did not, since TE cannot import on a CPU machine."""
+from __future__ import annotations
+
+import pytest
+
+from gridwright.config.fp8_choice import fp8_backend, transformer_engine_layers
+from gridwright.config.validation import (
+    LAYER_SPEC_WITHOUT_TE,
+    fix_overrides,
+    fp8_machine_problems,
+    layer_spec_machine_problems,
+)
+
+GPU = ["model=bench_1b", "cluster=h100_x1", "zero=stage1", "train.seq_length=4096", "train.micro_batch_size=1",
+       "train.global_batch_size=8", "launcher=plan"]
+
+
+@pytest.mark.parametrize("overrides, te_imports, te_layers", [
+    ([], True, True),
+    ([], False, False),
+    (["engine.layer_spec=torch_native"], True, False),
+    (["engine.layer_spec=transformer_engine"], True, True),
+    (["engine.compile_layers=true"], True, False),  # only the torch-native spec compiles
+    (["precision=fp8_tensorwise", "precision.fp8_backend=torchao"], True, False),
+    (["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], True, False),
+    (["precision=fp8_rowwise"], True, False),
+    (["precision=fp8_tensorwise"], True, True),  # TE's current scaling
+])
+def test_auto_builds_te_where_it_imports_unless_a_torch_native_key_is_set(compose, overrides, te_imports, te_layers):
+    cfg = compose(*GPU, *overrides)
+    assert transformer_engine_layers(cfg.engine, cfg.precision, te_imports) is te_layers
+
+
+def test_fp8_backend_follows_the_layers(compose):
+    cfg = compose(*GPU, "precision=fp8_tensorwise")
+    assert fp8_backend(cfg.precision, True) == "transformer_engine"
+    assert fp8_backend(cfg.precision, False) == "torchao"
+
+
+def test_a_te_recipe_with_a_torch_native_key_names_the_key_and_its_fix_clears_it(compose):
+    cfg = compose(*GPU, "precision=fp8_delayed", "engine.compile_layers=true")
+    problems = fp8_machine_problems(cfg, te_imports=True)
+    assert problems == ["precision.fp8_recipe=delayed is Transformer Engine's, but this run builds the torch-native "
+                        "layer spec (engine.compile_layers=true asks for the torch-native spec). "
+                        "Fix: engine.compile_layers=false."]
+    fixed = compose(*GPU, "precision=fp8_delayed", *fix_overrides(problems[0]))
+    assert fp8_machine_problems(fixed, te_imports=True) == []
+    explicit = compose(*GPU, "precision=fp8_delayed", "engine.layer_spec=torch_native")
+    assert "Fix: engine.layer_spec=auto." in fp8_machine_problems(explicit, te_imports=True)[0]
+
+
+def test_torchao_under_te_layers_is_refused_and_auto_takes_the_torch_native_spec(compose):
+    cfg = compose(*GPU, "precision=fp8_tensorwise", "precision.fp8_backend=torchao",
+                  "engine.layer_spec=transformer_engine")
+    assert "Fix: engine.layer_spec=auto." in fp8_machine_problems(cfg, te_imports=True)[0]
+    assert fp8_machine_problems(compose(*GPU, "precision=fp8_tensorwise", "precision.fp8_backend=torchao"),
+                                te_imports=True) == []
+
+
+def test_te_layers_where_te_does_not_import_are_refused_by_the_worker(compose):
+    cfg = compose(*GPU, "engine.layer_spec=transformer_engine")
+    assert layer_spec_machine_problems(cfg.engine, cfg.parallel, te_imports=False) == [LAYER_SPEC_WITHOUT_TE]
+    assert layer_spec_machine_problems(cfg.engine, cfg.parallel, te_imports=True) == []
+    auto = compose(*GPU)
+    assert layer_spec_machine_problems(auto.engine, auto.parallel, te_imports=False) == []

@@ -47,6 +47,8 @@ def test_a_te_recipe_with_a_torch_native_key_names_the_key_and_its_fix_clears_it
                         "Fix: engine.compile_layers=false."]
     fixed = compose(*GPU, "precision=fp8_delayed", *fix_overrides(problems[0]))
     assert fp8_machine_problems(fixed, te_imports=True) == []
+    torchao = compose(*GPU, "precision=fp8_delayed", "precision.fp8_backend=torchao")
+    assert fp8_machine_problems(torchao, te_imports=True)[0].endswith("Fix: precision.fp8_backend=auto.")
     explicit = compose(*GPU, "precision=fp8_delayed", "engine.layer_spec=torch_native")
     assert "Fix: engine.layer_spec=auto." in fp8_machine_problems(explicit, te_imports=True)[0]
 

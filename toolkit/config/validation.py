@@ -500,7 +500,7 @@ def _te_fp8_on_torch_native(engine, precision) -> str:
     else:
         keys = torch_native_asked(engine, precision)
         why = f"{', '.join(keys)} {'asks' if len(keys) == 1 else 'ask'} for the torch-native spec"
-        fix = " ".join(k.replace("=true", "=false") for k in keys)
+        fix = _turned_off(keys)
     return (f"precision.fp8_recipe={precision.fp8_recipe} is Transformer Engine's, but this run builds the "
             f"torch-native layer spec ({why}). Fix: {fix}.")
 
@@ -622,15 +622,16 @@ def check_layer_spec(cfg, for_launch: bool = False) -> list[str]:
     if keys:
         return [f"engine.layer_spec=transformer_engine with {', '.join(keys)}: "
                 f"{'that runs' if len(keys) == 1 else 'those run'} only in the torch-native spec. "
-                f"Fix: engine.layer_spec=auto, or {' '.join(k.split('=')[0] + '=' + _off(k) for k in keys)}."]
+                f"Fix: engine.layer_spec=auto, or {_turned_off(keys)}."]
     if for_launch and cfg.launcher.name == "local":
         return layer_spec_machine_problems(e, cfg.parallel, probe(transformer_engine=True).transformer_engine)
     return []
 
 
-def _off(key: str) -> str:
-    """The value that turns a torch-native-only key off (torch_native_asked's keys)."""
-    return {"precision.fp8_backend=torchao": "auto", "precision.fp8_recipe=rowwise": "tensorwise"}.get(key, "false")
+def _turned_off(keys: list[str]) -> str:
+    """The overrides that turn torch_native_asked's keys off, e.g. "engine.compile_layers=false"."""
+    off = {"precision.fp8_backend=torchao": "auto", "precision.fp8_recipe=rowwise": "tensorwise"}
+    return " ".join(f"{k.split('=')[0]}={off.get(k, 'false')}" for k in keys)
 
 
 def layer_spec_machine_problems(engine, parallel, te_imports: bool) -> list[str]:

@@ -23,15 +23,10 @@ NAME = "gpu_tier"
 def machine() -> str:
     import torch
 
-    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
-    n = torch.cuda.device_count()
-    try:
-        import transformer_engine
+    from gridwright.evaluations.bench_gpu import te_version
 
-        te = f"Transformer Engine {transformer_engine.__version__}"
-    except Exception as e:  # absent, or present without CUDA/cuDNN
-        te = f"no Transformer Engine ({type(e).__name__})"
-    return f"{n} x {card}, torch {torch.__version__}, {te}"
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    return f"{torch.cuda.device_count()} x {card}, torch {torch.__version__}{te_version() or ', no Transformer Engine'}"
 
 
 def commit() -> str:
@@ -84,10 +79,11 @@ def main() -> int:
     rows = outcomes(junit) if junit.exists() else []
     passed = sum(r[1] == "passed" for r in rows)
     verdict = "passed" if rows and passed == len(rows) else "FAILED"
-    text = (f"GPU: {machine()}\n\nCode: {commit()}\n\n**{verdict}**: {passed} of {len(rows)} passed "
+    gpu = machine()
+    text = (f"GPU: {gpu}\n\nCode: {commit()}\n\n**{verdict}**: {passed} of {len(rows)} passed "
             "(a skip counts as a failure here).\n\n" + table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    card = machine().split(",")[0].replace(" x NVIDIA ", "x").replace(" ", "").lower()
+    card = gpu.split(",")[0].replace(" x NVIDIA ", "x").replace(" ", "").lower()
     path = args.out / f"{NAME}_{card}.md"
     path.write_text(f"# The GPU test tier\n\nCommand: `python -m gridwright.evaluations.gpu_tier`\n\n{text}\n")
     print(text, f"\nwritten: {path}", sep="\n", flush=True)

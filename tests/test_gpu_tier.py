@@ -6,7 +6,6 @@ file; there a skip counts as a failure. Elsewhere these tests skip."""
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import os
 import shutil
@@ -108,20 +107,14 @@ def test_a_transformer_engine_fp8_run_resumes_exactly(recipe, tmp_path):
 
 
 def extra_state_pickles(iteration: Path) -> dict[str, bytes]:
-    """The non-empty TE extra states of one checkpoint: {object name: pickle bytes}."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-    from gridwright.checkpoints.checkpoint_trust import load_torch_file, read_dcp_metadata
+    """The non-empty TE extra states of one checkpoint: {object name[layer]: pickle bytes}."""
+    from gridwright.checkpoints.checkpoint_trust import dcp_objects
     from gridwright.checkpoints.te_extra_state import is_extra_state_key, payload_bytes
 
-    metadata, out = read_dcp_metadata(iteration), {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not (isinstance(entry, BytesStorageMetadata) and is_extra_state_key(fqn)):
+    out = {}
+    for fqn, _, value in dcp_objects(iteration):
+        if not is_extra_state_key(fqn):
             continue
-        info = metadata.storage_data[MetadataIndex(fqn)]
-        with open(iteration / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            value = load_torch_file(io.BytesIO(f.read(info.length)))
         for i, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
             data = payload_bytes(item)
             if data:

@@ -127,14 +127,10 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
 
 def te_payload(ck: Path) -> bytes:
     """The planted extra state's pickle, read back as TE reads the object (a uint8 tensor)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from gridwright.checkpoints.checkpoint_trust import dcp_objects
 
-    it = latest(ck)
-    info = read_dcp_metadata(it).storage_data[MetadataIndex(
-        "decoder.layers.self_attention.linear_proj._extra_state/shard_0_4")]
-    with open(it / info.relative_path, "rb") as f:
-        f.seek(info.offset)
-        return load_torch_file(io.BytesIO(f.read(info.length))).numpy().tobytes()
+    objects = {fqn: value for fqn, _, value in dcp_objects(latest(ck))}
+    return objects["decoder.layers.self_attention.linear_proj._extra_state/shard_0_4"].numpy().tobytes()
 
 
 @pytest.mark.slow

@@ -212,27 +212,35 @@ def refuse_pickled_code(iteration_dir: str | os.PathLike, trust: bool | None = N
     for file in sorted(path.rglob("*.pt")):
         _load_mapped(file)
     if (path / ".metadata").is_file():
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-        metadata = read_dcp_metadata(path)
-        for fqn, entry in metadata.state_dict_metadata.items():
-            if not isinstance(entry, BytesStorageMetadata):
-                continue
-            info = (metadata.storage_data or {}).get(MetadataIndex(fqn))
-            if info is None:
-                continue
-            shard = (path / info.relative_path).resolve()
-            if shard.parent != path.resolve() or not shard.is_file():
-                raise UntrustedCheckpointFile(f"{path / '.metadata'}", f"a shard outside the checkpoint ({info.relative_path})")
-            with open(shard, "rb") as f:
-                f.seek(info.offset)
-                record = f.read(info.length)
-            where = f"{path / info.relative_path} (object '{fqn}')"
-            try:
-                value = load_torch_file(io.BytesIO(record))
-            except UntrustedCheckpointFile as e:
-                raise UntrustedCheckpointFile(where, e.needs) from None
+        for fqn, where, value in dcp_objects(path):
             refuse_unsafe_extra_states({fqn: value}, where)
+
+
+def dcp_objects(iteration_dir: str | os.PathLike):
+    """(name, where, value) of every pickled object in a DCP checkpoint's `.distcp` shards,
+    each read through the allowlist (load_torch_file); raises UntrustedCheckpointFile for an
+    object that needs more, or an index entry that points outside the checkpoint."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    path = Path(iteration_dir)
+    metadata = read_dcp_metadata(path)
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, BytesStorageMetadata):
+            continue
+        info = (metadata.storage_data or {}).get(MetadataIndex(fqn))
+        if info is None:
+            continue
+        shard = (path / info.relative_path).resolve()
+        if shard.parent != path.resolve() or not shard.is_file():
+            raise UntrustedCheckpointFile(f"{path / '.metadata'}", f"a shard outside the checkpoint ({info.relative_path})")
+        with open(shard, "rb") as f:
+            f.seek(info.offset)
+            record = f.read(info.length)
+        where = f"{path / info.relative_path} (object '{fqn}')"
+        try:
+            yield fqn, where, load_torch_file(io.BytesIO(record))
+        except UntrustedCheckpointFile as e:
+            raise UntrustedCheckpointFile(where, e.needs) from None
 
 
 def refuse_unsafe_extra_states(state: dict, where: str) -> int:

@@ -8,6 +8,7 @@ the last stage (TP rank 0, DP rank 0) writes the logits gathered over TP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--model", help="model config JSON; default: the one the checkpoint records")
     ap.add_argument("--round-to", choices=("bf16", "fp16"), help="round the weights to this dtype and back")
+    ap.add_argument("--layer-spec", choices=("torch_native", "transformer_engine"), default="torch_native",
+                    help="whose layers are built (transformer_engine: on CUDA, where TE imports)")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -65,13 +68,23 @@ def main() -> None:
     tokens = torch.load(args.tokens)  # [batch, seq]
     model = json.loads(Path(args.model).read_text()) if args.model else read_common(args.checkpoint)["model_config"]
     cfg = layout_run_config(model, args.tp, args.pp, args.vpp, args.ep, tokens.shape[1])
+    te = args.layer_spec == "transformer_engine"
+    # Transformer Engine's layers exist only on CUDA; there the whole check runs on the GPU
+    # (NCCL), in fp32 like the CPU check, so both specs compare with the same arithmetic width.
+    cfg.cluster.device = "cuda" if te else cfg.cluster.device
+    cfg.engine.layer_spec = args.layer_spec
+    on_cpu = cfg.cluster.device == "cpu"
     layout = ParallelLayout.from_config(cfg)
     apply_megatron_fixes()
-    with cpu_compat():
+    with cpu_compat() if on_cpu else contextlib.nullcontext():
         init_parallel(cfg.cluster, cfg.watchdog, layout)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
-        tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout))
-        chunks = build_model_chunks(cfg.model, cfg.parallel, tcfg, te_available=False)
+        tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
+        chunks = build_model_chunks(cfg.model, cfg.parallel, tcfg, te_available=te)
+        if not on_cpu:
+            for c in chunks:
+                c.cuda(torch.cuda.current_device())
+            tokens = tokens.cuda()
         load_model_weights(chunks, Path(args.checkpoint))
         for c in chunks:
             round_weights(c, ROUNDING.get(args.round_to))
@@ -80,7 +93,7 @@ def main() -> None:
 
         def forward_step(data_iterator, chunk):
             batch = next(data_iterator)
-            positions = torch.arange(batch.shape[1]).unsqueeze(0)
+            positions = torch.arange(batch.shape[1], device=batch.device).unsqueeze(0)
             return chunk(batch, positions, None), None  # no loss function: the schedule keeps logits
 
         iterators = [iter(list(tokens.split(1))) for _ in chunks]
@@ -100,7 +113,7 @@ def main() -> None:
             parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, local.contiguous(), group=group)
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-                torch.save(torch.cat(parts, dim=-1), args.out)
+                torch.save(torch.cat(parts, dim=-1).cpu(), args.out)
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -56,9 +56,11 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | 
 
 
 def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1, vpp=None, ep=1,
-                    model: dict | None = None, round_to: str | None = None) -> torch.Tensor:
+                    model: dict | None = None, round_to: str | None = None,
+                    layer_spec: str = "torch_native") -> torch.Tensor:
     """Logits of the Megatron-Core model at this layout; `model` overrides the model config
-    the checkpoint records (needed for checkpoints that record none)."""
+    the checkpoint records (needed for checkpoints that record none); `layer_spec`
+    transformer_engine builds TE's layers, on the GPU."""
     _, iteration = find_checkpoint(Path(checkpoint_dir))
     with tempfile.TemporaryDirectory(prefix="gridwright-logits-") as tmp:
         tok_file, out_file = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
@@ -74,6 +76,7 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
             "--tokens", str(tok_file), "--out", str(out_file),
             "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
         ] + (["--vpp", str(vpp)] if vpp else []) + model_args + (["--round-to", round_to] if round_to else [])
+        cmd += ["--layer-spec", layer_spec]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -123,7 +123,7 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
-        "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
+        "precision=fp8_tensorwise", "engine.layer_spec=torch_native", "precision.fp8_output_layer=true"]),
     # bf16 with each weight gradient added into the fp32 buffer by a kernel of its own
     "llama3_8b_16l_1gpu_mb2_unfused_wgrad": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + UNFUSED_WGRAD),
     # the same for float8: torchao's GEMM writes the weight gradient in bf16 and a kernel adds it
@@ -244,18 +244,22 @@ VARLEN_2GPU = varlen_suite(2, "varlen2")
 # micro-batch 1 (micro-batch 4 does not fit one H200 without full recompute, by the
 # memory estimate), and CUDA graphs on TE layers.
 TE = ["engine.layer_spec=transformer_engine"]
+FP8_OUTPUT = ["precision.fp8_output_layer=true"]
 TE_DELAYED, TE_CURRENT, TE_BLOCKWISE = (TE + ["precision=fp8_delayed"], TE + ["precision=fp8_tensorwise"],
                                         TE + ["precision=fp8_blockwise"])
 TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
-        "precision=fp8_tensorwise", "precision.fp8_output_layer=true"]),
+        "precision=fp8_tensorwise", "engine.layer_spec=torch_native", "precision.fp8_output_layer=true"]),
     "llama3_8b_16l_1gpu_mb2_te": (1, LLAMA3_8B_16L_1GPU_MB2 + TE),
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
     "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT),
     "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE),
     "llama3_8b_16l_1gpu_mb1_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + ["train.micro_batch_size=1"]),
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
+    # the output layer (outside TE's layers) through torchao's tensorwise float8 matmul
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + FP8_OUTPUT),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_current_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT + FP8_OUTPUT),
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_te": (1, BENCH_1GPU + TE),
     "bench_1b_1gpu_te_graphs": (1, BENCH_1GPU + TE + GRAPHS),

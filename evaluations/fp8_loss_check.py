@@ -1,8 +1,8 @@
-"""FP8 through torchao against bf16: the loss after N steps and the speed, side by side.
+"""FP8 (torchao's, or Transformer Engine's) against bf16: the loss after N steps and the speed, side by side.
 
     python -m gridwright.evaluations.fp8_loss_check [--steps 200] [--recipes tensorwise rowwise]
         [--global-batch-size 8] [--lr 3e-4] [--data PREFIX] [--model llama3_8b --layers 8]
-        [--runs-per-gpu 1] [--seeds 1234 1 2]
+        [--runs-per-gpu 1] [--seeds 1234 1 2] [--layer-spec transformer_engine --recipes delayed tensorwise blockwise]
 
 Runs the bench model once per precision, one GPU each at once (GPU 0 bf16, GPU 1 the first
 FP8 recipe, and so on), in waves when there are more precisions than GPUs; a recipe written
@@ -11,8 +11,9 @@ FP8 recipe, and so on), in waves when there are more precisions than GPUs; a rec
 are not comparable and the table leaves them out. `--seeds` runs every precision once per
 seed (train.seed sets the weights and the data order): FP8 against bf16 then rests on a mean
 over seeds and on each seed's difference from bf16 of the same seed, not on one run, whose
-final loss moves by percents between repeats. All runs are compiled (torchao's float8
-casts are fast only compiled), each seed's runs from the same weights and data; it writes a table of the mean loss of the
+final loss moves by percents between repeats. Torch-native runs are compiled (torchao's
+float8 casts are fast only compiled); `--layer-spec transformer_engine` builds TE's layers,
+eager, under TE's recipes. Each seed's runs start from the same weights and data; it writes a table of the mean loss of the
 last 10 steps, its difference from bf16, and tokens/s against bf16, then the loss curves
 (mean of each tenth of the run). `--data` trains on a dataset made by
 `python -m gridwright.data.prepare_data` (real text, whose loss does not fall towards
@@ -51,6 +52,9 @@ def main() -> None:
     ap.add_argument("--model", help="a model config (conf/model) in place of the bench model")
     ap.add_argument("--layers", type=int, help="model.num_layers")
     ap.add_argument("--runs-per-gpu", type=int, default=1, help="runs at once on each GPU (losses only)")
+    ap.add_argument("--layer-spec", choices=("torch_native", "transformer_engine"), default="torch_native",
+                    help="torch_native: compiled layers, torchao's FP8; transformer_engine: TE's layers and recipes, "
+                         "eager (TE's own fused kernels)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[TrainConfig.seed],
                     help="train.seed of each precision's runs; several give a mean and a spread")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
@@ -73,6 +77,10 @@ def main() -> None:
                    text)
 
 
+LAYER_WORDS = {"torch_native": "compiled torch-native layers",
+               "transformer_engine": "Transformer Engine's layers (eager)"}
+
+
 def report(precisions: list[str], results: dict, args, card: str, torch_version: str) -> str:
     """The table (each precision's loss as a mean over seeds, each seed's loss, and each seed's
     difference from bf16 of the same seed, which shares its weights and data order) and the curves."""
@@ -82,7 +90,8 @@ def report(precisions: list[str], results: dict, args, card: str, torch_version:
     seeds = ", ".join(map(str, args.seeds))
     lines = [f"GPU: {card} (runs side by side{sharing}), torch {torch_version}; {what}, sequence 4096, "
              f"global batch {args.global_batch_size}, lr {args.lr} (warm-up 20 steps, cosine to a tenth), "
-             f"{args.steps} steps, compiled layers, seeds {seeds} (train.seed: weights and data order)", "",
+             f"{args.steps} steps, {LAYER_WORDS[args.layer_spec]}, seeds {seeds} (train.seed: weights and data order)",
+             "",
              "| precision | spec | mean loss, last 10 steps (mean over seeds) | vs bf16 | by seed | vs bf16 of the "
              "same seed | tokens/s/GPU | vs bf16 | MFU (megatron; FP8 peak for FP8) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -135,7 +144,7 @@ def run_wave(runs: list[tuple[str, int]], args, card: str, jobs: Path) -> dict:
         cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={recipe_preset}", "tracking=off",
                f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
                f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20", f"train.seed={seed}",
-               "engine.compile_layers=true", f"cluster.gpu.name={card.replace(' ', '_')}",
+               *spec_overrides(args.layer_spec), f"cluster.gpu.name={card.replace(' ', '_')}",
                f"job_dir={job}", *shape_and_data(args),
                *(["precision.fp8_output_layer=true"] if output == "output" else [])]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot % torch.cuda.device_count())}
@@ -153,6 +162,14 @@ def run_wave(runs: list[tuple[str, int]], args, card: str, jobs: Path) -> dict:
         rows[run] = dict(loss10=sum(losses[-10:]) / 10, tokens=s["tokens_per_s_per_gpu"], mfu=s.get("mfu"),
                          spec=s.get("layer_spec"), losses=losses)
     return rows
+
+
+def spec_overrides(layer_spec: str) -> list[str]:
+    """Whose layers every run of the call builds: the torch-native spec compiled (torchao's
+    float8 casts are fast only compiled), or Transformer Engine's, which does not compile."""
+    if layer_spec == "transformer_engine":
+        return ["engine.layer_spec=transformer_engine"]
+    return ["engine.layer_spec=torch_native", "engine.compile_layers=true"]
 
 
 def shape_and_data(args) -> list[str]:

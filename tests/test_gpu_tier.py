@@ -69,15 +69,19 @@ def test_transformer_engine_linear_computes_in_fp8(recipe):
 def test_a_transformer_engine_run_trains_in_bf16_and_fp8(tmp_path):
     """The same seed in bf16 and FP8 (delayed scaling): both learn, and end near each other."""
     final = {}
-    for name, precision in (("bf16", "precision=bf16"), ("delayed", RECIPES["delayed"])):
-        result, job = launch(tmp_path, name, precision, "train.steps=20", "train.lr=3e-3")
-        summary = json.loads((job / "summary.json").read_text())
-        assert summary["layer_spec"].startswith("transformer_engine"), summary["layer_spec"]
-        assert ("+fp8(delayed" in summary["layer_spec"]) == (name == "delayed"), summary["layer_spec"]
+    output = "precision.fp8_output_layer=true"
+    for name, *args in (("bf16", "precision=bf16"), ("delayed", RECIPES["delayed"]),
+                        ("delayed_output", RECIPES["delayed"], output)):
+        result, job = launch(tmp_path, name, *args, "train.steps=20", "train.lr=3e-3")
+        spec = json.loads((job / "summary.json").read_text())["layer_spec"]
+        assert spec.startswith("transformer_engine"), spec
+        assert ("+fp8(delayed" in spec) == (name != "bf16"), spec
+        # the output layer outside TE's layers, through torchao's float8 matmul
+        assert ("+float8_output_layer(float8_tensorwise(torchao))" in spec) == (output in args), spec
         run = losses(job)
         assert run[max(run)] < run[min(run)] - 0.2, run  # it learns (5.59 -> 5.23 seen in bf16)
         final[name] = run[max(run)]
-    assert abs(final["delayed"] - final["bf16"]) < 0.05 * final["bf16"], final
+    assert all(abs(final[n] - final["bf16"]) < 0.05 * final["bf16"] for n in final), final
 
 
 @needs_te
@@ -129,3 +133,35 @@ def keep_fixture(recipe: str, pickles: dict[str, bytes]) -> None:
         name = next(k for k in sorted(pickles) if "linear_proj" in k)
         Path(where).mkdir(parents=True, exist_ok=True)
         (Path(where) / f"te_extra_state_{recipe}.pkl").write_bytes(pickles[name])
+
+
+@needs_te
+def test_a_transformer_engine_checkpoint_gives_the_torch_native_specs_logits(tmp_path, monkeypatch):
+    """A TE FP8 run's checkpoint (extra state included) read by TE's layers on the GPU and
+    by the torch-native spec on the CPU gives the same logits (fp32 compute, TF32 off).
+    The torch-native spec is the one every conversion's --verify holds against Hugging
+    Face's logits; the conversion itself writes config.json through transformers, which
+    the GPU machines lack, so with GRIDWRIGHT_TE_FIXTURES the checkpoint and TE's logits
+    are kept as one archive for that check on a machine with transformers."""
+    from gridwright.adapters.verify_logits import megatron_logits
+    from gridwright.checkpoints.logits_digest import sample_tokens
+
+    ck = tmp_path / "ck"
+    launch(tmp_path, "run", RECIPES["delayed"], "train.steps=4", f"checkpoint.save={ck}", "checkpoint.save_interval=4")
+    assert extra_state_pickles(ck / "iter_0000004")  # the FP8 scales travel with the weights
+    tokens = sample_tokens(256, 2, 16)
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # full fp32 GEMMs in TE's process too
+    te = megatron_logits(ck, tokens, layer_spec="transformer_engine")
+    native = megatron_logits(ck, tokens, layer_spec="torch_native")
+    difference = (te - native).abs().max().item()
+    print(f"TE against torch-native logits: max |difference| {difference:.3e}")
+    assert te.shape == native.shape == (2, 16, 256)
+    assert difference <= 1e-4, difference  # convert --verify's default tolerance
+    where = os.environ.get("GRIDWRIGHT_TE_FIXTURES")
+    if where:
+        import tarfile
+
+        torch.save({"tokens": tokens, "logits": te, "max_abs_diff_torch_native": difference}, ck / "te_logits.pt")
+        Path(where).mkdir(parents=True, exist_ok=True)
+        with tarfile.open(Path(where) / "te_checkpoint.tgz", "w:gz") as tar:
+            tar.add(ck, arcname="te_checkpoint")

@@ -24,7 +24,7 @@ GPU = ["model=bench_1b", "cluster=h100_x1", "zero=stage1", "train.seq_length=409
     (["engine.layer_spec=transformer_engine"], True, True),
     (["engine.compile_layers=true"], True, False),  # only the torch-native spec compiles
     (["precision=fp8_tensorwise", "precision.fp8_backend=torchao"], True, False),
-    (["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], True, False),
+    (["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], True, True),  # either spec runs it
     (["precision=fp8_rowwise"], True, False),
     (["precision=fp8_tensorwise"], True, True),  # TE's current scaling
 ])
@@ -67,3 +67,26 @@ def test_te_layers_where_te_does_not_import_are_refused_by_the_worker(compose):
     assert layer_spec_machine_problems(cfg.engine, cfg.parallel, te_imports=True) == []
     auto = compose(*GPU)
     assert layer_spec_machine_problems(auto.engine, auto.parallel, te_imports=False) == []
+
+
+def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compose):
+    """TE's layers take the recipe; the output layer (outside every spec) runs torchao's
+    tensorwise matmul with the same weight, so a TE recipe with it validates and the
+    TransformerConfig routes only the output layer."""
+    from megatron.core.transformer import TransformerConfig
+
+    from gridwright.config.validation import validate
+    from gridwright.engines.megatron_model import choose_torch_native_paths
+
+    for recipe in ("fp8_delayed", "fp8_tensorwise", "fp8_blockwise"):
+        cfg = compose(*GPU, f"precision={recipe}", "precision.fp8_output_layer=true")
+        validate(cfg)  # raises ConfigError on any problem
+        assert fp8_machine_problems(cfg, te_imports=True) == []
+        tcfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+        choose_torch_native_paths(cfg, tcfg, te_available=True)
+        assert tcfg.gridwright_float8_output_layer and tcfg.gridwright_float8_name == "float8_tensorwise(torchao)"
+        assert tcfg.gridwright_float8[0].cast_config_weight.scaling_granularity.name == "TENSORWISE"
+    off = compose(*GPU, "precision=fp8_delayed")
+    tcfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    choose_torch_native_paths(off, tcfg, te_available=True)
+    assert tcfg.gridwright_float8 is None and not tcfg.gridwright_float8_output_layer

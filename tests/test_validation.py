@@ -53,8 +53,6 @@ BROKEN = {
                               ["engine.cuda_graphs=layers is Megatron-Core's graph manager", "Fix: engine=megatron"]),
     "fp8_output_layer_without_fp8": (["precision=bf16", "precision.fp8_output_layer=true"],
                                      ["precision.fp8_output_layer=true needs an FP8 recipe"]),
-    "fp8_output_layer_on_te": (["cluster=h100_x2", "precision=fp8_delayed", "precision.fp8_output_layer=true"],
-                               ["recipe 'delayed': precision.fp8_output_layer=true is built for torchao's FP8"]),
     "fp8_output_layer_vocab_shard": (["cluster=h100_x2", "precision=fp8_tensorwise", "precision.fp8_output_layer=true",
                                       "model.vocab_size=32008", "parallel.tp=2"],
                                      ["vocabulary shard (32008 / TP 2) must be a multiple of 16"]),

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 def torch_native_asked(engine, precision) -> list[str]:
     """The keys set that only the torch-native spec runs (gridwright's compiled layers,
-    async TP and torchao's float8 linears and output layer)."""
+    async TP and torchao's float8 linears). The float8 output layer is not among them: it
+    runs under either spec (choose_torch_native_paths)."""
     keys = [f"engine.{k}=true" for k in ("compile_layers", "tp_comm_overlap") if getattr(engine, k)]
     if precision.fp8_recipe is not None and precision.fp8_backend == "torchao":
         keys.append("precision.fp8_backend=torchao")
     if precision.fp8_recipe == "rowwise":
         keys.append("precision.fp8_recipe=rowwise")
-    if precision.fp8_output_layer:
-        keys.append("precision.fp8_output_layer=true")
     return keys
 
 

@@ -475,8 +475,10 @@ def fp8_machine_problems(cfg, te_imports: bool) -> list[str]:
     builds_spec = rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel)
     te_layers = builds_spec and transformer_engine_layers(cfg.engine, p, te_imports)
     backend = fp8_backend(p, te_layers)
-    if backend is None or backend == "transformer_engine" and te_layers:
+    if backend is None:
         return []
+    if backend == "transformer_engine" and te_layers:  # TE's layers; the float8 output layer is torchao's
+        return [TORCHAO_MISSING] if p.fp8_output_layer and not torchao_available() else []
     torchao_asked = _torchao_asked(p)
     te_recipe = p.fp8_backend == "transformer_engine" or p.fp8_recipe not in TORCHAO_FP8_RECIPES
     if te_recipe and te_imports and builds_spec:  # TE is here, but the run builds the torch-native spec
@@ -531,17 +533,10 @@ def _torchao_fp8_problems(precision, model, engine) -> list[str]:
     return out
 
 
-FP8_OUTPUT_LAYER_ON_TE = ("precision.fp8_output_layer=true is built for torchao's FP8; Transformer Engine's "
-                          "output layer stays bf16. Set precision.fp8_backend=torchao (recipe tensorwise or "
-                          "rowwise), or precision.fp8_output_layer=false.")
-
-
 def _fp8_output_layer_problems(precision, model, tp: int) -> list[str]:
-    """The output layer in float8: torchao's only (where `auto` would pick Transformer Engine,
-    the worker's fp8_machine_problems refuses it), and its vocabulary shard a multiple of
-    16 (float8 GEMMs need every dimension so)."""
-    if precision.fp8_backend == "transformer_engine" or precision.fp8_recipe not in TORCHAO_FP8_RECIPES:
-        return [f"recipe '{precision.fp8_recipe}': " + FP8_OUTPUT_LAYER_ON_TE]
+    """The output layer in float8 (torchao's tensorwise matmul under either FP8 backend:
+    choose_torch_native_paths says why): its vocabulary shard a multiple of 16, which float8
+    GEMMs need of every dimension."""
     shard = model.vocab_size // tp
     if model.vocab_size % tp or shard % 16:
         return [f"precision.fp8_output_layer=true: each rank's vocabulary shard ({model.vocab_size} / TP {tp}) "

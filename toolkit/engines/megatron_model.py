@@ -209,12 +209,23 @@ def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> None:
     by gridwright.megatron_internals.parallel_linear); `spec_name` then says what was built."""
     tcfg.gridwright_tp_comm_overlap = bool(not te_available and cfg.engine.tp_comm_overlap and cfg.parallel.sp)
     tcfg.gridwright_float8 = None
-    if not te_available and fp8_backend(cfg.precision, te_available) == "torchao":
+    backend = fp8_backend(cfg.precision, te_available)
+    if not te_available and backend == "torchao":
         from ..megatron_internals.parallel_linear import float8_setup
 
         tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=cfg.cluster.device == "cpu")
         tcfg.gridwright_float8_name = (f"float8_{cfg.precision.fp8_recipe}(torchao"
                                        f"{', emulated' if cfg.cluster.device == 'cpu' else ''})")
+    elif backend == "transformer_engine" and cfg.precision.fp8_output_layer:
+        # GPTModel builds its output layer as Megatron-Core's own ColumnParallelLinear, named
+        # by no spec and run outside TE's FP8 autocast (the TransformerBlock enters it), so
+        # TE cannot take it without new parameters and checkpoint keys. gridwright's torchao
+        # float8 matmul takes it in place, with the same weight. The TE layers never read
+        # gridwright_float8 (only gridwright's linears do).
+        from ..megatron_internals.parallel_linear import float8_setup
+
+        tcfg.gridwright_float8 = float8_setup("tensorwise", emulate=False)
+        tcfg.gridwright_float8_name = "float8_tensorwise(torchao)"
     tcfg.gridwright_float8_output_layer = tcfg.gridwright_float8 is not None and cfg.precision.fp8_output_layer
 
 
@@ -259,6 +270,8 @@ def _te_spec_name(chunks, tcfg) -> str:
     fused = [n for n, on in (("rope", tcfg.apply_rope_fusion), ("swiglu", tcfg.bias_activation_fusion),
                              ("cross_entropy", tcfg.cross_entropy_loss_fusion),
                              ("wgrad_accumulation", tcfg.gradient_accumulation_fusion)) if on]
+    if any(is_float8_output_layer(chunk.output_layer) for chunk in chunks if chunk.post_process):
+        name += f"+float8_output_layer({tcfg.gridwright_float8_name})"
     if fused:
         name += f"+fused({','.join(fused)})"
     if tcfg.cuda_graph_impl != "none":

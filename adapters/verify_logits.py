@@ -57,10 +57,11 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | 
 
 def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1, vpp=None, ep=1,
                     model: dict | None = None, round_to: str | None = None,
-                    layer_spec: str = "torch_native") -> torch.Tensor:
+                    layer_spec: str = "torch_native", timeout: float | None = None) -> torch.Tensor:
     """Logits of the Megatron-Core model at this layout; `model` overrides the model config
     the checkpoint records (needed for checkpoints that record none); `layer_spec`
-    transformer_engine builds TE's layers, on the GPU."""
+    transformer_engine builds TE's layers, on the GPU; `timeout`: seconds after which the
+    processes are stopped and the error carries what they printed."""
     _, iteration = find_checkpoint(Path(checkpoint_dir))
     with tempfile.TemporaryDirectory(prefix="gridwright-logits-") as tmp:
         tok_file, out_file = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
@@ -78,7 +79,11 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
         ] + (["--vpp", str(vpp)] if vpp else []) + model_args + (["--round-to", round_to] if round_to else [])
         cmd += ["--layer-spec", layer_spec]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            printed = "".join(x if isinstance(x, str) else (x or b"").decode(errors="replace") for x in (e.stdout, e.stderr))
+            raise RuntimeError(f"the Megatron-Core logits run did not end within {timeout:g} s:\n{printed[-4000:]}") from e
         if proc.returncode != 0:
             raise RuntimeError(f"the Megatron-Core logits run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return torch.load(out_file)

@@ -59,6 +59,17 @@ def outcomes(junit: Path) -> list[tuple[str, str, float, str]]:
     return rows
 
 
+def per_test_bound(seconds: int) -> list[str]:
+    """pytest-timeout's arguments where it is installed (the GPU machines have it); without
+    it a hung test holds the tier until the caller's own limit, and no file is written."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest_timeout") is None:
+        print("gpu_tier: pytest-timeout is not installed; a hung test will hang the tier", flush=True)
+        return []
+    return ["-p", "pytest_timeout", f"--timeout={seconds}"]
+
+
 def table(rows) -> str:
     lines = ["| test | result | seconds | reason |", "| --- | --- | --- | --- |"]
     lines += [f"| `{n}` | {r} | {s:.1f} | {why.replace('|', '/')} |" for n, r, s, why in rows]
@@ -68,12 +79,15 @@ def table(rows) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
+    ap.add_argument("--test-timeout", type=int, default=240,
+                    help="seconds after which one test fails as hung (pytest-timeout, where it is installed), so "
+                         "that a hung test cannot keep the tier from writing its file")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
     junit = Path(tempfile.mkdtemp(prefix="gpu_tier_")) / "junit.xml"
     # addopts without xdist's -n (one GPU, and the GPU machines need not have xdist)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=-ra --strict-markers", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *gpu_test_files(), *args.pytest_args]
+           f"--junitxml={junit}", *per_test_bound(args.test_timeout), *gpu_test_files(), *args.pytest_args]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO)
     rows = outcomes(junit) if junit.exists() else []

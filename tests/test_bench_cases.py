@@ -64,8 +64,9 @@ def test_fp8_loss_check_compares_means_over_seeds_and_each_seed_with_its_bf16():
                ("fp8_tensorwise", 1): run(2.2, 150.0), ("fp8_tensorwise", 2): run(0.9, 250.0),
                ("fp8_rowwise", 1): run(2.0, 100.0)}
     args = argparse.Namespace(seeds=[1, 2], runs_per_gpu=1, model=None, layers=None, data=None,
-                              global_batch_size=8, lr=3e-4, steps=10)
+                              global_batch_size=8, lr=3e-4, steps=10, layer_spec="torch_native")
     text = report(["bf16", "fp8_tensorwise", "fp8_rowwise"], results, args, "H200", "2.11")
+    assert "10 steps, compiled torch-native layers, seeds 1, 2" in text
     assert "| bf16 | local | 1.5000 | +0.00% | 2.0000 / 1.0000 | +0.00% / +0.00% | 200 | 1.00x | 40.0% |" in text
     assert "| fp8_tensorwise | local | 1.5500 | +3.33% | 2.2000 / 0.9000 | +10.00% / -10.00% | 200 | 1.00x |" in text
     assert "| fp8_rowwise | failed |" in text
@@ -111,3 +112,10 @@ def test_the_wgrad_gemm_table_gives_both_forms_of_each_precision():
            "float8 ms": (0.37, 0.31), "float8 error": (1.66e-3, 1.04e-4)}
     assert table([row]).splitlines()[-1] == ("| qkv [6144, 4096] | 0.600 | 0.530 | 1.66e-03 / 9.10e-06 | 0.370 | 0.310 | "
                                             "1.66e-03 / 1.04e-04 |")
+
+
+def test_fp8_loss_check_builds_te_layers_uncompiled_or_the_torch_native_spec_compiled():
+    from gridwright.evaluations.fp8_loss_check import spec_overrides
+
+    assert spec_overrides("transformer_engine") == ["engine.layer_spec=transformer_engine"]
+    assert spec_overrides("torch_native") == ["engine.layer_spec=torch_native", "engine.compile_layers=true"]

@@ -151,8 +151,8 @@ def test_a_transformer_engine_checkpoint_gives_the_torch_native_specs_logits(tmp
     assert extra_state_pickles(ck / "iter_0000004")  # the FP8 scales travel with the weights
     tokens = sample_tokens(256, 2, 16)
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # full fp32 GEMMs in TE's process too
-    te = megatron_logits(ck, tokens, layer_spec="transformer_engine")
-    native = megatron_logits(ck, tokens, layer_spec="torch_native")
+    te = megatron_logits(ck, tokens, layer_spec="transformer_engine", timeout=150)
+    native = megatron_logits(ck, tokens, layer_spec="torch_native", timeout=150)
     difference = (te - native).abs().max().item()
     print(f"TE against torch-native logits: max |difference| {difference:.3e}")
     assert te.shape == native.shape == (2, 16, 256)

@@ -118,13 +118,14 @@ class MegatronTrainer:
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         t = cfg.train
         torch.manual_seed(t.seed)
-        # CUDA graphs need the graph-safe generators (same seeds, same numbers).
-        graphs = cfg.engine.cuda_graphs != "none"
-        model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs,
-                                        force_reset_rng=graphs)
-
         te = transformer_engine_layers(cfg.engine, cfg.precision, (not self.on_cpu) and transformer_engine_available())
-        self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te))
+        # CUDA graphs need the graph-safe generators (same seeds, same numbers); TE's graph
+        # capture accepts only TE's own tracker ("Unsupported RNG states tracker" otherwise).
+        graphs = cfg.engine.cuda_graphs != "none"
+        te_rng = te and graphs
+        model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs,
+                                        force_reset_rng=graphs, te_rng_tracker=te_rng)
+        self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te), use_te_rng_tracker=te_rng)
         choose_torch_native_paths(cfg, self.tcfg, te)
         chunks = build_model_chunks(cfg.model, cfg.parallel, self.tcfg, te)
         if cfg.engine.compile_layers:  # torch-native layers only (transformer_engine_layers)

@@ -244,6 +244,7 @@ VARLEN_2GPU = varlen_suite(2, "varlen2")
 # micro-batch 1 (micro-batch 4 does not fit one H200 without full recompute, by the
 # memory estimate), and CUDA graphs on TE layers.
 TE = ["engine.layer_spec=transformer_engine"]
+VARLEN_1GPU = VARLEN_BASE + ["cluster=h100_x1", "train.global_batch_size=2"]
 FP8_OUTPUT = ["precision.fp8_output_layer=true"]
 TE_DELAYED, TE_CURRENT, TE_BLOCKWISE = (TE + ["precision=fp8_delayed"], TE + ["precision=fp8_tensorwise"],
                                         TE + ["precision=fp8_blockwise"])
@@ -260,6 +261,10 @@ TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     # the output layer (outside TE's layers) through torchao's tensorwise float8 matmul
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + FP8_OUTPUT),
     "llama3_8b_16l_1gpu_mb2_te_fp8_current_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT + FP8_OUTPUT),
+    # packed documents (32k rows, uncompiled): TE's THD fused attention against the
+    # torch-native spec's varlen flash kernel
+    "varlen1_te": (1, VARLEN_1GPU + TE),
+    "varlen1_torch_native": (1, VARLEN_1GPU + ["engine.layer_spec=torch_native"]),
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_te": (1, BENCH_1GPU + TE),
     "bench_1b_1gpu_te_graphs": (1, BENCH_1GPU + TE + GRAPHS),

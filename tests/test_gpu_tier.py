@@ -165,3 +165,16 @@ def test_a_transformer_engine_checkpoint_gives_the_torch_native_specs_logits(tmp
         Path(where).mkdir(parents=True, exist_ok=True)
         with tarfile.open(Path(where) / "te_checkpoint.tgz", "w:gz") as tar:
             tar.add(ck, arcname="te_checkpoint")
+
+
+@needs_te
+def test_packed_documents_train_through_te_thd_attention(tmp_path):
+    """Packed documents (THD) on TE's layers: its fused attention and fused rotary kernel
+    read each document's bounds on the GPU; the run trains and says it ran TE."""
+    result, job = launch(tmp_path, "packed", "precision=bf16", "data.packing=true", "data.doc_lengths.median=48",
+                         "train.steps=20", "train.lr=3e-3", "train.micro_batch_size=1", "train.global_batch_size=4")
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["layer_spec"].startswith("transformer_engine"), summary["layer_spec"]
+    assert (summary.get("attention") or {}).get("backend") == "transformer_engine", summary.get("attention")
+    run = losses(job)
+    assert run[max(run)] < run[min(run)] - 0.2, run

@@ -71,7 +71,8 @@ def _packed_forward_step(data_iterator, model):
     cp = ps.get_context_parallel_world_size()
     if cp > 1:
         batch = _documents_on_this_cp_rank(batch, ps.get_context_parallel_rank(), cp)
-    params = thd_params(batch["cu_seqlens"], batch["max_seqlen"], batch["tokens"].device)
+    params = thd_params(batch["cu_seqlens"], batch["max_seqlen"], batch["tokens"].device,
+                        te_layers=getattr(model.config, "gridwright_te_layers", False))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=params)
     return output, partial(_token_loss, batch["loss_mask"])
@@ -126,6 +127,7 @@ class MegatronTrainer:
         model_parallel_cuda_manual_seed(t.seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs,
                                         force_reset_rng=graphs, te_rng_tracker=te_rng)
         self.tcfg = TransformerConfig(**transformer_config_kwargs(cfg, layout, te), use_te_rng_tracker=te_rng)
+        self.tcfg.gridwright_te_layers = te  # read where a forward step builds TE's THD parameters
         choose_torch_native_paths(cfg, self.tcfg, te)
         chunks = build_model_chunks(cfg.model, cfg.parallel, self.tcfg, te)
         if cfg.engine.compile_layers:  # torch-native layers only (transformer_engine_layers)

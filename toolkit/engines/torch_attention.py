@@ -163,17 +163,21 @@ def _varlen_kernel():
     return None, None
 
 
-def thd_params(cu_seqlens, longest: int, device):
-    """Megatron-Core's PackedSeqParams for a THD micro-batch. Its `cu_seqlens` stay on the
-    host: Megatron-Core's THD rope reads them with `.tolist()` in every layer
-    (rope_utils._apply_rotary_pos_emb_thd), which on the GPU would wait for the device
-    each time; the device copy the kernels need rides along as `cu_seqlens_device`."""
+def thd_params(cu_seqlens, longest: int, device, te_layers: bool = False):
+    """Megatron-Core's PackedSeqParams for a THD micro-batch. For the torch-native spec its
+    `cu_seqlens` stay on the host: Megatron-Core's THD rope reads them with `.tolist()` in
+    every layer (rope_utils._apply_rotary_pos_emb_thd), which on the GPU would wait for the
+    device each time; the device copy the kernels need rides along as `cu_seqlens_device`.
+    `te_layers`: Transformer Engine's fused attention and fused THD rope read `cu_seqlens`
+    on the GPU, so they go there."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to("cpu", torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+    on_device = to_device(cu, device)
+    given = on_device if te_layers else cu
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=given, cu_seqlens_kv=given,
                              max_seqlen_q=longest, max_seqlen_kv=longest)
-    params.cu_seqlens_device = to_device(cu, device)
+    params.cu_seqlens_device = on_device
     return params
 
 

@@ -136,35 +136,32 @@ def keep_fixture(recipe: str, pickles: dict[str, bytes]) -> None:
 
 
 @needs_te
-def test_a_transformer_engine_checkpoint_gives_the_torch_native_specs_logits(tmp_path, monkeypatch):
-    """A TE FP8 run's checkpoint (extra state included) read by TE's layers on the GPU and
-    by the torch-native spec on the CPU gives the same logits (fp32 compute, TF32 off).
-    The torch-native spec is the one every conversion's --verify holds against Hugging
-    Face's logits; the conversion itself writes config.json through transformers, which
-    the GPU machines lack, so with GRIDWRIGHT_TE_FIXTURES the checkpoint and TE's logits
-    are kept as one archive for that check on a machine with transformers."""
-    from gridwright.adapters.verify_logits import megatron_logits
+def test_a_transformer_engine_checkpoint_converts_to_hugging_face_and_back_by_logits(tmp_path, monkeypatch):
+    """A TE FP8 run's checkpoint (extra state included) gives the same logits under TE's
+    layers (GPU), the torch-native spec (CPU) and, converted, transformers' model (CPU),
+    within conversion's tolerance (fp32 compute, TF32 off); converted back, TE's layers give
+    the first logits exactly."""
+    from gridwright.adapters.verify_logits import hf_logits, megatron_logits
     from gridwright.checkpoints.logits_digest import sample_tokens
 
-    ck = tmp_path / "ck"
+    ck, hf, back = tmp_path / "ck", tmp_path / "hf", tmp_path / "back"
     launch(tmp_path, "run", RECIPES["delayed"], "train.steps=4", f"checkpoint.save={ck}", "checkpoint.save_interval=4")
     assert extra_state_pickles(ck / "iter_0000004")  # the FP8 scales travel with the weights
     tokens = sample_tokens(256, 2, 16)
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # full fp32 GEMMs in TE's process too
     te = megatron_logits(ck, tokens, layer_spec="transformer_engine", timeout=150)
     native = megatron_logits(ck, tokens, layer_spec="torch_native", timeout=150)
-    difference = (te - native).abs().max().item()
-    print(f"TE against torch-native logits: max |difference| {difference:.3e}")
-    assert te.shape == native.shape == (2, 16, 256)
-    assert difference <= 1e-4, difference  # convert --verify's default tolerance
-    where = os.environ.get("GRIDWRIGHT_TE_FIXTURES")
-    if where:
-        import tarfile
-
-        torch.save({"tokens": tokens, "logits": te, "max_abs_diff_torch_native": difference}, ck / "te_logits.pt")
-        Path(where).mkdir(parents=True, exist_ok=True)
-        with tarfile.open(Path(where) / "te_checkpoint.tgz", "w:gz") as tar:
-            tar.add(ck, arcname="te_checkpoint")
+    for direction, args in (("megatron-to-hf", ["--megatron", ck, "--out", hf]),
+                            ("hf-to-megatron", ["--hf", hf, "--out", back])):
+        done = subprocess.run([sys.executable, "-m", "gridwright.adapters.convert", direction, *map(str, args)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    differences = {"torch-native": (te - native).abs().max().item(),
+                   "transformers": (te - hf_logits(hf, tokens)).abs().max().item()}
+    print("TE logits against", differences)
+    assert te.shape == (2, 16, 256)
+    assert max(differences.values()) <= 1e-4, differences  # convert --verify's default tolerance
+    assert torch.equal(megatron_logits(back, tokens, layer_spec="transformer_engine", timeout=150), te)
 
 
 @needs_te

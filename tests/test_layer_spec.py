@@ -90,3 +90,28 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
     tcfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
     choose_torch_native_paths(off, tcfg, te_available=True)
     assert tcfg.gridwright_float8 is None and not tcfg.gridwright_float8_output_layer
+
+
+@pytest.mark.parametrize("overrides, on_cuda, te_installed, words", [
+    ([], False, True, "torch_native (Transformer Engine runs only on CUDA)"),
+    ([], True, False, "torch_native (engine.layer_spec=auto, Transformer Engine not installed here)"),
+    (["precision=fp8_delayed", "precision.fp8_output_layer=true"], True, True,
+     "transformer_engine (engine.layer_spec=auto, Transformer Engine installed here); FP8 delayed by "
+     "transformer_engine, output layer by torchao (tensorwise)"),
+    (["precision=fp8_tensorwise", "engine.compile_layers=true"], True, True,
+     "torch_native (engine.compile_layers=true asks for it); FP8 tensorwise by torchao"),
+    (["precision=fp8_delayed"], True, False,
+     "torch_native (engine.layer_spec=auto, Transformer Engine not installed here); FP8 delayed needs "
+     "Transformer Engine's layers (refused where they are not built)"),
+])
+def test_the_plan_names_whose_layers_and_fp8_a_run_gets(compose, overrides, on_cuda, te_installed, words):
+    from gridwright.config.fp8_choice import planned_layers
+
+    cfg = compose(*GPU, *overrides)
+    assert planned_layers(cfg.engine, cfg.precision, on_cuda, te_installed) == words
+
+
+def test_the_printed_plan_has_its_layers_line(run_launch):
+    result = run_launch("launcher=plan")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "\nlayers      torch_native (Transformer Engine runs only on CUDA)\n" in result.stdout

@@ -46,6 +46,8 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
         f"batch       global {t.global_batch_size} = micro {t.micro_batch_size} x accumulation "
         f"{plan.accumulation} x DP {layout.dp}; sequence {t.seq_length}",
     ]
+    layers = _layers_line(cfg)
+    lines += [f"layers      {layers}"] if layers else []
     lines += plan.lines()
     if plan.memory is not None:
         lines.append(f"memory/GPU  {plan.memory.describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
@@ -54,6 +56,19 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
     lines.append("placement")
     lines.append(plan.placement.table())
     return "\n".join(lines)
+
+
+def _layers_line(cfg) -> str | None:
+    """Whose layers and FP8 the run plans (engines that build Megatron-Core's layer spec)."""
+    import importlib.util
+
+    from .config.fp8_choice import planned_layers
+    from .engines.registry import rules
+
+    if not rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel):
+        return None
+    te_installed = importlib.util.find_spec("transformer_engine") is not None
+    return planned_layers(cfg.engine, cfg.precision, cfg.cluster.device == "cuda", te_installed)
 
 
 def check_not_running(job_dir) -> None:

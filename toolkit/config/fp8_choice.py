@@ -2,6 +2,8 @@
 FP8). One rule for validation, the speed notes, the workers and the model builder."""
 from __future__ import annotations
 
+TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals.parallel_linear
+
 
 def torch_native_asked(engine, precision) -> list[str]:
     """The keys set that only the torch-native spec runs (gridwright's compiled layers,
@@ -36,3 +38,30 @@ def fp8_backend(precision, te_available: bool):
     if precision.fp8_backend == "auto":
         return "transformer_engine" if te_available and precision.fp8_recipe != "rowwise" else "torchao"
     return precision.fp8_backend
+
+
+def planned_layers(engine, precision, on_cuda: bool, te_installed: bool) -> str:
+    """The plan's words for whose layers and FP8 a Megatron-Core layer spec run gets. A plan
+    does not import Transformer Engine (seconds): it takes TE as importable where it is
+    installed, and every worker checks its own node before it builds anything."""
+    te = on_cuda and transformer_engine_layers(engine, precision, te_installed)
+    if te:
+        why = "engine.layer_spec=transformer_engine" if engine.layer_spec == "transformer_engine" else \
+            "engine.layer_spec=auto, Transformer Engine installed here"
+    elif engine.layer_spec == "torch_native":
+        why = "engine.layer_spec=torch_native"
+    elif not on_cuda:
+        why = "Transformer Engine runs only on CUDA"
+    elif not te_installed:
+        why = "engine.layer_spec=auto, Transformer Engine not installed here"
+    else:
+        why = f"{', '.join(torch_native_asked(engine, precision))} asks for it"
+    words = f"{'transformer_engine' if te else 'torch_native'} ({why})"
+    backend = fp8_backend(precision, te)
+    if backend == "torchao" and precision.fp8_recipe not in TORCHAO_FP8_RECIPES:
+        words += f"; FP8 {precision.fp8_recipe} needs Transformer Engine's layers (refused where they are not built)"
+    elif backend:
+        words += f"; FP8 {precision.fp8_recipe} by {backend}"
+        if precision.fp8_output_layer:
+            words += ", output layer by torchao (tensorwise)" if backend == "transformer_engine" else ", output layer too"
+    return words

@@ -20,7 +20,7 @@ from ..engines.registry import is_known, rules
 from ..data.packing import longest_document
 from ..families.registry import FAMILIES
 from ..planning.layout import ParallelLayout, max_seqlen_per_rank
-from .fp8_choice import fp8_backend, torch_native_asked, transformer_engine_layers
+from .fp8_choice import TORCHAO_FP8_RECIPES, fp8_backend, torch_native_asked, transformer_engine_layers
 from .schema import declared_choices
 from ..planning.machine_probe import host_memory_bytes, probe
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
@@ -28,7 +28,6 @@ from ..versions.megatron_version import refusal as megatron_core_refusal
 from ..planning.placement import Placement, plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan, predict_communication
 
-TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals.parallel_linear
 # The formats torchao's recipes fix (Float8LinearConfig.from_recipe_name)
 TORCHAO_FP8_FORMATS = {"tensorwise": "hybrid", "rowwise": "e4m3"}
 TORCHAO_FORMAT_WORDS = {"hybrid": "E4M3 forward and E5M2 for gradients", "e4m3": "E4M3 everywhere"}

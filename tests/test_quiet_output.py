@@ -34,7 +34,7 @@ UPSTREAM_NOISE = (
 
 # gridwright's own lines: a label in the 12-column margin, indented continuations and tables.
 VOCABULARY = (
-    r"^(experiment|model|cluster|layout|batch|job dir|sweep dir|sweep|point|summary|mlflow|checkpoint|resume|deepspeed)"
+    r"^(experiment|model|cluster|layout|batch|layers|job dir|sweep dir|sweep|point|summary|mlflow|checkpoint|resume|deepspeed)"
     r" +\S",
     r"^FLOPs/token \S",
     r"^placement$",
@@ -74,6 +74,7 @@ def launch_args(tmp_path, *overrides, sweep: bool = False) -> list[str]:
 def test_the_vocabulary_tells_gridwright_lines_from_upstream_ones():
     ours = """experiment  tiny_llama   engine megatron   launcher local
 FLOPs/token 1.30 M (megatron: causal attention halved)
+layers      torch_native (Transformer Engine runs only on CUDA)
 placement
   rank  host  gpu  tp  cp   dp  pp  ep etp  edp  tp group / ep group
 step     0 loss 5.5500 lr 0.00e+00 53 ms 4846 tok/s/gpu

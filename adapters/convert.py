@@ -39,6 +39,7 @@ from ..families.hf_config import (
     default_model_name,
     hf_config_from_model,
     model_config_from_hf,
+    raw_hf_config,
     read_hf_config,
     same_model,
     transformers_config,
@@ -179,12 +180,17 @@ def hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, vpp=None, ep=1, name=None, dtype
     `source` replaces the record's direction and source (a conversion that passed through
     a temporary Hugging Face folder names what it started from)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    raw = raw_hf_config(hf_dir)
+    src = SafetensorsSource(hf_dir)
+    contradicted = src.size_disagreements(raw)
+    if contradicted:
+        raise ConversionError(f"{hf_dir / 'config.json'} does not match its safetensors files: "
+                              + "; ".join(contradicted) + ".")
     hf = read_hf_config(hf_dir)
     if name is not None and not re.fullmatch(r"[A-Za-z0-9_]+", name):
         raise ConversionError(f"--name '{name}' must be letters, digits and underscores (it names a config file).")
     model = model_config_from_hf(hf, name or default_model_name(hf_dir))
     layout = check_layout(model, tp, pp, vpp, ep)
-    src = SafetensorsSource(hf_dir)
     pieces, dtypes = plan_hf_to_megatron(src, model, dtype)
     shapes = wm.global_shapes(model)
     work = [(p, s) for p in pieces for s in _slices(p, shapes[p.key], dtypes[p.key])]

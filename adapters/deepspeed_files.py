@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints.checkpoint_dir import DEEPSPEED_MANIFEST, CheckpointError, checkpoint_to_load, engine_of
+from ..checkpoints.checkpoint_dir import DEEPSPEED_MANIFEST, MANIFEST_BYTES, CheckpointError, checkpoint_to_load, engine_of
 from ..checkpoints.checkpoint_trust import load_torch_file, refuse_pickled_code
+from ..path_rules import read_bounded_text
 
 
 class NotADeepSpeedCheckpoint(ValueError):
@@ -41,7 +42,7 @@ def find_deepspeed_checkpoint(path: str | Path) -> Path:
 
 
 def read_manifest(iteration: Path) -> dict:
-    return json.loads((iteration / DEEPSPEED_MANIFEST).read_text())
+    return json.loads(read_bounded_text(iteration / DEEPSPEED_MANIFEST, MANIFEST_BYTES, "a checkpoint's manifest"))
 
 
 def consolidated_weights(iteration: Path) -> dict[str, torch.Tensor]:

@@ -7,13 +7,17 @@ StreamingSafetensorsWriter for why it is not `safetensors.torch.save_file`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..path_rules import PathRefused, model_folder_file, read_bounded_text
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+INDEX_BYTES = 64 << 20  # an index of a few hundred thousand tensor names
 # Files copied along with the weights (tokenizer and generation settings), when present.
 SIDE_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -31,12 +35,17 @@ class SafetensorsSource:
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
         index = self.dir / INDEX
-        if index.is_file():
+        if os.path.lexists(index):
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise BadCheckpoint(f"{index} is not a safetensors index ({e}).") from e
-        elif (self.dir / SINGLE).is_file():
+                weight_map = json.loads(read_bounded_text(self._checked(INDEX), INDEX_BYTES, "a safetensors index",
+                                                          follow=True))
+                weight_map = weight_map["weight_map"]
+                assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+            except PathRefused as e:
+                raise BadCheckpoint(str(e)) from None
+            except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
+                raise BadCheckpoint(f"{index} is not a safetensors index ({type(e).__name__}).") from None
+        elif os.path.lexists(self.dir / SINGLE):
             weight_map = None
         else:
             raise BadCheckpoint(f"{self.dir} holds neither {INDEX} nor {SINGLE} (only safetensors convert).")
@@ -57,15 +66,54 @@ class SafetensorsSource:
                     f"present but unlisted {sorted(found - listed)[:5]}, in another file than listed {misplaced[:5]}."
                 )
 
+    def _checked(self, fname: str) -> Path:
+        """`fname` of this folder as a path that may be read (path_rules.model_folder_file)."""
+        if not os.path.lexists(self.dir / fname) and "/" not in fname and fname not in ("", ".", ".."):
+            raise BadCheckpoint(f"{self.dir / fname} is listed in the index but does not exist.")
+        try:
+            return model_folder_file(self.dir, fname)
+        except PathRefused as e:
+            raise BadCheckpoint(f"{e}.") from None
+
     def _header(self, fname: str) -> dict:
-        path = self.dir / fname
-        if not path.is_file():
-            raise BadCheckpoint(f"{path} is listed in the index but does not exist.")
+        path = self._checked(fname)
         try:
             with safe_open(str(path), framework="pt") as f:
                 return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
         except (SafetensorError, OSError, ValueError) as e:
             raise BadCheckpoint(f"{path} is not a readable safetensors file ({e}).") from e
+
+    def size_disagreements(self, config: dict) -> list[str]:
+        """The model sizes of a config.json that the files contradict (layers, hidden size,
+        vocabulary, heads), read from the headers alone: a config asking for 10^6 layers or
+        10^9 hidden units is refused in a second, before transformers or any allocation."""
+        import re
+
+        out = []
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                    "intermediate_size", "head_dim"):
+            value = config.get(key)
+            if value is not None and (type(value) is not int or value < 1):
+                out.append(f"{key}={value!r} is not a positive whole number")
+        if out:
+            return out
+        layers = {int(m.group(1)) for n in self.files if (m := re.search(r"\.layers\.(\d+)\.", n))}
+        if config.get("num_hidden_layers") is not None and config["num_hidden_layers"] != len(layers):
+            out.append(f"num_hidden_layers={config['num_hidden_layers']} (the files hold {len(layers)} layers)")
+        embed = next((n for n in sorted(self.files) if n.endswith("embed_tokens.weight")), None)
+        if embed and len(self.meta[embed][1]) == 2:
+            vocab, hidden = self.meta[embed][1]
+            for key, held in (("hidden_size", hidden), ("vocab_size", vocab)):
+                if config.get(key) is not None and config[key] != held:
+                    out.append(f"{key}={config[key]} (the embedding holds {held})")
+        query = next((n for n in sorted(self.files) if n.endswith("layers.0.self_attn.q_proj.weight")), None)
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        if query and heads and hidden and not out:
+            head_dim = config.get("head_dim") or hidden // heads
+            if heads * head_dim != self.meta[query][1][0]:
+                out.append(f"num_attention_heads={heads} x head_dim {head_dim} = {heads * head_dim} "
+                           f"(the query projection holds {self.meta[query][1][0]} rows)")
+        return out
 
     def names(self) -> set[str]:
         return set(self.files)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import socket
 import sys
+import time
 from pathlib import Path
 
 from ..runtime.process_tree import TOKEN_ENV, end_run_processes, new_token
@@ -20,6 +22,11 @@ from ..runtime.loopback import LOOPBACK, free_port
 from .agent import LAUNCHER_PIPE_ENV, LOOPBACK_BACKEND, STOP_LINE
 from .environment import worker_env
 
+
+
+# How long the agent may sit stopped before the launcher ends the job. A stopped agent
+# never resumes by itself; the bound leaves room for a deliberate `kill -STOP`/`-CONT`.
+AGENT_STOPPED_BOUND_S = 15
 
 
 def agent_command(cfg, job_dir: Path, port: int) -> list[str]:
@@ -34,9 +41,9 @@ def agent_command(cfg, job_dir: Path, port: int) -> list[str]:
     ]
 
 
-def run_local(cfg, job_dir: Path) -> tuple[int, int | None]:
-    """Start the agent and wait for it; returns its exit code and the signal that stopped
-    the launcher (None when none did)."""
+def run_local(cfg, job_dir: Path) -> tuple[int, int | None, str | None]:
+    """Start the agent and wait for it; returns its exit code, the signal that stopped the
+    launcher (None when none did), and why the launcher ended a stuck agent (or None)."""
     token = new_token()
     env = dict(os.environ)
     env.update(worker_env(cfg))
@@ -60,11 +67,39 @@ def run_local(cfg, job_dir: Path) -> tuple[int, int | None]:
         received.append(signum)
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+    lost = None
     try:
+        lost = wait_watching(agent)
+        if lost:
+            print(f"launcher    {lost}: ending the job", file=sys.stderr, flush=True)
+            end_run_processes(token)  # SIGKILL reaches a stopped process too
         code = agent.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         agent.stdin.close()
         end_run_processes(token)
-    return code, (received[0] if received else None)
+    return code, (received[0] if received else None), lost
+
+
+def wait_watching(agent: subprocess.Popen) -> str | None:
+    """Wait for the agent; None when it ends, or why it never will: stopped (SIGSTOP, a
+    debugger) for AGENT_STOPPED_BOUND_S. Its workers may have finished and wait, as
+    zombies, for an agent that no longer runs: nothing else would end the job."""
+    import psutil
+
+    stopped_since = None
+    while agent.poll() is None:
+        try:
+            state = psutil.Process(agent.pid).status()
+        except psutil.Error:  # ended between the poll and the look
+            state = None
+        if state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            stopped_since = stopped_since or time.monotonic()
+            if time.monotonic() - stopped_since >= AGENT_STOPPED_BOUND_S:
+                return (f"the agent on node 0 ({socket.gethostname()}, pid {agent.pid}) has been stopped for "
+                        f"{AGENT_STOPPED_BOUND_S} s (state: {state})")
+        else:
+            stopped_since = None
+        time.sleep(0.5)
+    return None

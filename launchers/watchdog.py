@@ -42,6 +42,8 @@ _DUMP_WAIT_S = 3.0
 def bound_s(rec: dict, cfg) -> float:
     """How long this rank may go without a heartbeat."""
     w = cfg.watchdog
+    if rec.get("bound_s") is not None:  # the rank's own, for this phase (a save's: heartbeat.save_bound_s)
+        return rec["bound_s"]
     if rec["phase"] == "training" and rec.get("recent_step_s") is not None:
         return max(w.min_stall_s, w.stall_factor * rec["recent_step_s"])
     return w.phase_timeout_s
@@ -151,10 +153,13 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
-            beats = self._mine()
-            late = late_ranks(beats, self.cfg, time.time())
-            if late:
-                self._stop_for(beats, late)
+            try:
+                beats = self._mine()
+                late = late_ranks(beats, self.cfg, time.time())
+                if late:
+                    self._stop_for(beats, late)
+            except (OSError, psutil.Error):  # /proc read while processes end (EBADF at a teardown): next poll
+                continue
 
     def _stop_for(self, beats: dict[int, dict], late: dict[int, float]) -> None:
         ranks = _dump_stacks(self.job_dir, beats)

@@ -61,11 +61,64 @@ def test_a_stopped_rank_stops_the_job_within_the_bound(tmp_path):
     assert not [p for p in others if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-def test_the_collective_timeout_is_the_key_or_the_watchdogs_phase_bound(compose):
+@pytest.mark.slow
+def test_a_rank_stuck_in_a_save_is_named_within_the_saves_bound(tmp_path):
+    """The save's bound comes from the previous save's time (with its floor), not the
+    30-minute phase bound; the healthy rank waiting in the save's barrier is not blamed."""
+    job, ck = tmp_path / "job", tmp_path / "ck"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"job_dir={job}", "tracking=off",
+                             "train.steps=100000", "train.warmup_steps=1", f"checkpoint.save={ck}",
+                             "checkpoint.save_interval=1", "checkpoint.keep_last=2", "watchdog.save_floor_s=15",
+                             "watchdog.min_stall_s=900"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not list((job / "heartbeats").glob("*/rank_00001.json")):
+            time.sleep(0.2)
+        (beat,) = (job / "heartbeats").glob("*/rank_00001.json")
+        while time.time() < deadline:  # stop rank 1 inside a save (after one was timed)
+            rec = json.loads(beat.read_text())
+            if rec["phase"] == "saving" and (ck / "latest").exists():
+                os.kill(rec["pid"], signal.SIGSTOP)
+                if json.loads(beat.read_text())["phase"] == "saving":
+                    break
+                os.kill(rec["pid"], signal.SIGCONT)  # it had left the save: try the next one
+            time.sleep(0.01)
+        stopped_at = time.time()
+        _, err = proc.communicate(timeout=180)
+        took = time.time() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert took < 15 + 30, f"the job took {took:.0f} s to stop"
+    block = [line for line in err.splitlines() if line.startswith("hang ")]
+    assert len(block) == 1 and block[0].startswith("hang        rank 1 made no progress for "), err[-3000:]
+    assert "saving" in block[0], block[0]
+
+
+def test_the_collective_timeout_outlasts_every_watchdog_bound(compose):
+    """A minute above the longest bound, so that the watchdog names a stuck rank before a
+    healthy peer's collective times out and takes the blame."""
     watchdog = compose().watchdog
-    assert collective_timeout(watchdog, "nccl").total_seconds() == collective_timeout(watchdog, "gloo").total_seconds() == 1800
-    assert collective_timeout(compose("watchdog.phase_timeout_s=2400").watchdog, "nccl").total_seconds() == 2400
+    assert collective_timeout(watchdog, "nccl", longest_bound_s=5000).total_seconds() == 5060
+    assert collective_timeout(watchdog, "nccl").total_seconds() == collective_timeout(watchdog, "gloo").total_seconds() == 1860
+    assert collective_timeout(compose("watchdog.phase_timeout_s=2400").watchdog, "nccl").total_seconds() == 2460
     assert collective_timeout(compose("watchdog.collective_timeout_s=42").watchdog, "gloo").total_seconds() == 42
+
+
+def test_a_saves_bound_comes_from_its_size_and_the_measured_speed(compose):
+    from gridwright.engines.timeouts import first_save_bound_s
+    from gridwright.launchers.watchdog import bound_s
+    from gridwright.runtime.heartbeat import save_bound_s
+
+    assert save_bound_s(110 * 10**9, None, 120.0) == 2200.0  # 110 GB at 50 MB/s, before any save was timed
+    assert save_bound_s(110 * 10**9, 30.0, 120.0) == 150.0  # 5 x the previous save on this disk
+    assert save_bound_s(10**6, 0.2, 120.0) == save_bound_s(10**6, None, 120.0) == 120.0  # the floor
+    cfg = compose("checkpoint.save=/tmp/ck")
+    assert bound_s({"phase": "saving", "bound_s": 150.0}, cfg) == 150.0  # not phase_timeout_s's 1800
+    assert first_save_bound_s(cfg) == 120.0 and first_save_bound_s(compose()) == 0.0
 
 
 def test_the_bound_follows_recent_step_times_and_phases(compose):

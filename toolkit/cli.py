@@ -191,19 +191,21 @@ def run_locally(cfg, job_dir) -> Outcome:
     from gridwright.launchers.local import run_local
 
     started = time.time()
-    code, stopped_by = run_local(cfg, job_dir)
-    stopped_by = stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
-    # A negative code: the agent itself was killed by that signal.
-    status = "killed" if stopped_by or code < 0 else ("finished" if code == 0 else "failed")
+    code, stopped_by, lost = run_local(cfg, job_dir)
+    # (the workers of an agent the launcher ended were stopped by it: not a user's signal)
+    stopped_by = None if lost else stopped_by or read_json(job_dir / SUMMARY_FILE).get("stopped_by_signal")
+    # A negative code: the agent itself was killed by that signal (by the launcher: `lost`).
+    status = "failed" if lost else "killed" if stopped_by or code < 0 else ("finished" if code == 0 else "failed")
     run_id = None
     if cfg.tracking.enabled:
         from .tracking import mlflow_runs as tracking
         from .tracking.run_owner import owner
 
         run_id = owner(job_dir).get("run_id")
-        if code < 0:
+        if code < 0 or lost:
             try:
-                if tracking.close_orphaned_run(cfg, job_dir, status, error=f"the agent was killed by signal {-code}"):
+                error = lost or f"the agent was killed by signal {-code}"
+                if tracking.close_orphaned_run(cfg, job_dir, status, error=error, ended_by_us=bool(lost)):
                     print("\n".join(tracking.where_to_see(tracking.tracking_uri(cfg.tracking), run_id)), flush=True)
             except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
                 print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))
@@ -212,6 +214,9 @@ def run_locally(cfg, job_dir) -> Outcome:
     if stopped_by:
         print(f"stopped: signal {stopped_by}; see {job_dir}", file=sys.stderr)
         return Outcome("killed", 128 + int(stopped_by), job_dir, run_id=run_id)
+    if lost:
+        print(f"error: {lost}; the launcher ended the job; see {job_dir}", file=sys.stderr)
+        return Outcome(status, 1, job_dir, run_id=run_id)
     if code == 0:
         print(f"done: {job_dir}")
     elif code > 0 and code != EXIT_INVALID:  # which rank failed first, why, its log, the fix

@@ -20,6 +20,7 @@ import re
 import socket
 from pathlib import Path
 
+from ..path_rules import PathRefused, entry_problem, open_regular, read_bounded_text, tree_problem, what_is
 from .checkpoint_trust import UntrustedCheckpointFile, load_torch_file, read_dcp_metadata, refuse_pickled_code
 
 LATEST = "latest"
@@ -35,6 +36,8 @@ CONVERSION_HINT = {
                 "--megatron {root} --out DIR) and start from that",
 }
 _ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
+POINTER_BYTES = 64  # what `latest` may hold: one iteration's name and a newline
+MANIFEST_BYTES = 64 << 20  # a DeepSpeed manifest: a JSON list of files and the common state
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
 # the function the weights compute.
@@ -43,6 +46,11 @@ MAY_DIFFER = ("name", "max_position_embeddings", "moe_aux_loss_coeff")
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class BadPointer(CheckpointError):
+    """`latest` is not a small regular file naming a complete iteration in its root: input
+    the user can act on (one line, exit 2, on every path that reads it)."""
 
 
 def iteration_name(step: int) -> str:
@@ -58,20 +66,44 @@ def step_of(path: str | os.PathLike) -> int:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none."""
+    """The newest complete checkpoint under `root`, or None when there is none. The pointer
+    is read as a small regular file (never a link, a FIFO or a device); its content is
+    never echoed."""
     root = Path(root)
     pointer = root / LATEST
-    if not pointer.exists():
+    if not os.path.lexists(pointer):
         return None
-    name = pointer.read_text().strip()
+    try:
+        name = read_bounded_text(pointer, POINTER_BYTES, "the name of one iteration").strip()
+    except PathRefused as e:
+        raise BadPointer(f"{e}. Fix: point checkpoint.load at an intact checkpoint directory.") from None
     path = root / name
-    if not _ITERATION.fullmatch(name) or not ((path / "metadata.json").exists()
-                                              or (path / DEEPSPEED_MANIFEST).exists()):
-        raise CheckpointError(
-            f"{pointer} names '{name}', which is not a complete checkpoint in {root}. "
-            "Fix: point checkpoint.load at an intact checkpoint directory."
-        )
+    if not _ITERATION.fullmatch(name):
+        raise BadPointer(
+            f"{pointer} names no iteration (it should hold iter_NNNNNNN). "
+            "Fix: point checkpoint.load at an intact checkpoint directory.")
+    problem = entry_problem(path, root, "directory")
+    if problem is None and not ((path / "metadata.json").is_file() or (path / DEEPSPEED_MANIFEST).is_file()):
+        problem = f"{path} is not a complete checkpoint"
+    if problem:
+        raise BadPointer(
+            f"{pointer} names '{name}': {problem}. Fix: point checkpoint.load at an intact checkpoint directory.")
     return path
+
+
+def root_problem(root: str | os.PathLike) -> str | None:
+    """Why the checkpoint root `root` may not be read or written, or None: every entry
+    directly in it must be a regular file or a directory (no links, FIFOs, devices), so
+    that retention, the writer lock and `latest` never act through one."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for entry in sorted(os.listdir(root)):
+        found = what_is(root / entry)
+        if found not in ("a regular file", "a directory"):
+            return (f"{root / entry} is {found}, in the checkpoint root {root}: refused (gridwright writes, reads "
+                    "and removes only its own files there). Fix: remove it, or use another directory.")
+    return None
 
 
 def damage(path: str | os.PathLike, trust: bool | None = None) -> str | None:
@@ -81,6 +113,9 @@ def damage(path: str | os.PathLike, trust: bool | None = None) -> str | None:
     process starts, instead of deep inside a load. A `.metadata` that would run code
     raises UntrustedCheckpointFile (unless `trust`)."""
     path = Path(path)
+    problem = tree_problem(path)
+    if problem:
+        return problem
     if (path / DEEPSPEED_MANIFEST).exists():
         return _deepspeed_damage(path)
     try:
@@ -109,8 +144,8 @@ def damage(path: str | os.PathLike, trust: bool | None = None) -> str | None:
 
 def _deepspeed_damage(path: Path) -> str | None:
     try:
-        files = json.loads((path / DEEPSPEED_MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
+        files = _manifest(path)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{path / DEEPSPEED_MANIFEST} is unreadable ({type(e).__name__})"
     for name, size in sorted(files.items()):
         file = path / name
@@ -121,6 +156,10 @@ def _deepspeed_damage(path: Path) -> str | None:
     return None
 
 
+def _manifest(path: Path) -> dict:
+    return json.loads(read_bounded_text(path / DEEPSPEED_MANIFEST, MANIFEST_BYTES, "a checkpoint's manifest"))
+
+
 def engine_of(path: str | os.PathLike) -> str:
     """Which engine wrote one checkpoint directory: "deepspeed" or "megatron"."""
     return "deepspeed" if (Path(path) / DEEPSPEED_MANIFEST).exists() else "megatron"
@@ -129,7 +168,7 @@ def engine_of(path: str | os.PathLike) -> str:
 def holds_checkpoints(root: str | os.PathLike) -> bool:
     """Whether `root` is a checkpoint root (it has a `latest` pointer), not e.g. a Hugging
     Face folder given as initial weights."""
-    return (Path(root) / LATEST).is_file()
+    return os.path.lexists(Path(root) / LATEST)
 
 
 def tree_bytes(path: str | os.PathLike) -> int:
@@ -141,7 +180,7 @@ def tree_bytes(path: str | os.PathLike) -> int:
 def iterations(root: str | os.PathLike) -> list[Path]:
     """The checkpoint directories under `root` (`iter_N`, complete or not; not `.partial`),
     oldest first."""
-    found = [p for p in Path(root).iterdir() if p.is_dir() and _ITERATION.fullmatch(p.name)]
+    found = [p for p in Path(root).iterdir() if _ITERATION.fullmatch(p.name) and what_is(p) == "a directory"]
     return sorted(found, key=step_of)
 
 
@@ -179,12 +218,15 @@ def hold_writer_lock(root: str | os.PathLike):
     restart of the same job (measured). A record lock belongs to this process only."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    handle = open(root / WRITER_LOCK, "a+")
+    try:  # created if missing; never through a link, never a FIFO (path_rules.open_regular)
+        handle = os.fdopen(open_regular(root / WRITER_LOCK, os.O_RDWR | os.O_CREAT), "r+")
+    except PathRefused as e:
+        raise PathRefused(f"{e}. Fix: remove it, or save elsewhere.") from None
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # EACCES or EAGAIN: another process holds it
         handle.seek(0)
-        holder = _holder(handle.read())
+        holder = _holder(handle.read(POINTER_BYTES * 4))
         handle.close()
         raise CheckpointError(busy_message(root, holder)) from None
     handle.seek(0)
@@ -210,13 +252,17 @@ def busy_message(root: str | os.PathLike, holder: str) -> str:
 def writer_problem(root: str | os.PathLike) -> str | None:
     """Why this process may not write `root` now (a live run holds its writer lock), or None."""
     path = Path(root) / WRITER_LOCK
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    with open(path) as handle:
+    try:
+        handle = os.fdopen(open_regular(path), "r")
+    except PathRefused as e:
+        return f"{e}. Fix: remove it, or save elsewhere."
+    with handle:
         try:
             fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            return busy_message(root, _holder(handle.read()))
+            return busy_message(root, _holder(handle.read(POINTER_BYTES * 4)))
         fcntl.lockf(handle, fcntl.LOCK_UN)
     return None
 
@@ -226,7 +272,7 @@ def read_common(path: str | os.PathLike, trust: bool | None = None) -> dict:
     (`common.pt` is a torch pickle: read through the allowlist unless `trust`)."""
     manifest = Path(path) / DEEPSPEED_MANIFEST
     if manifest.is_file():  # DeepSpeed's own files are beside a JSON manifest of ours
-        return json.loads(manifest.read_text())["common"]
+        return _manifest(Path(path))["common"]
     return load_torch_file(Path(path) / "common.pt", trust=trust)["common"]
 
 
@@ -255,6 +301,9 @@ def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = F
     root = Path(root)
     if not root.is_dir():
         return f"checkpoint.load={root} does not exist."
+    problem = root_problem(root)
+    if problem:
+        return problem
     path = root / LATEST
     try:
         path = checkpoint_to_load(root, fallback, trust)

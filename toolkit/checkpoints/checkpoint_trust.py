@@ -34,6 +34,8 @@ import pickle
 import re
 from pathlib import Path
 
+from ..path_rules import PathRefused, tree_problem
+
 TRUST_KEY = "checkpoint.trust_pickled_code"
 TRUST_FLAG = "--trust-pickled-code"
 # Carries a process's policy to the processes it starts (the converter's logits workers).
@@ -203,14 +205,18 @@ def _fill_storage_meta(metadata, load_id=None):
 
 
 def refuse_pickled_code(iteration_dir: str | os.PathLike, trust: bool | None = None) -> None:
-    """Read every pickled record of one checkpoint directory through the allowlist before
+    """Refuse an entry that is not a regular file (PathRefused), then read every pickled record of one checkpoint directory through the allowlist before
     any upstream reader touches it; raises UntrustedCheckpointFile naming the first file
     that needs more. Tensors are memory-mapped, not read, so this stays cheap."""
+    path = Path(iteration_dir)
+    problem = tree_problem(path)  # no link, FIFO or device is opened, trusted or not
+    if problem:
+        raise PathRefused(problem)
     if _trusted(trust):
         return
-    path = Path(iteration_dir)
-    for file in sorted(path.rglob("*.pt")):
-        _load_mapped(file)
+    for file in sorted(path.rglob("*")):
+        if file.is_file() and _is_torch_pickle(file):
+            _load_mapped(file)
     if (path / ".metadata").is_file():
         for fqn, where, value in dcp_objects(path):
             refuse_unsafe_extra_states({fqn: value}, where)
@@ -281,10 +287,28 @@ def refuse_pickled_code_on_every_rank(iteration_dir: str | os.PathLike) -> None:
         try:
             refuse_pickled_code(iteration_dir)
         except UntrustedCheckpointFile as e:
-            verdict = [(e.where, e.needs)]
+            verdict = [("code", e.where, e.needs)]
+        except PathRefused as e:
+            verdict = [("path", str(e))]
     dist.broadcast_object_list(verdict, src=0)  # rank 0's own strings: no file is unpickled here
     if verdict[0] is not None:
-        raise UntrustedCheckpointFile(*verdict[0])
+        raise UntrustedCheckpointFile(*verdict[0][1:]) if verdict[0][0] == "code" else PathRefused(verdict[0][1])
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip container
+
+
+def _is_torch_pickle(file: Path) -> bool:
+    """Whether a later reader may unpickle `file` as torch does: named `*.pt`, or, whatever
+    its name, a zip container or a pickle (protocol 2 on). DCP's `.metadata` and `.distcp`
+    shards have their own readers (read_dcp_metadata, dcp_objects)."""
+    if file.name == ".metadata" or file.suffix == ".distcp":
+        return False
+    if file.suffix == ".pt":
+        return True
+    with open(file, "rb") as f:
+        head = f.read(4)
+    return head == _ZIP_MAGIC or head[:1] == b"\x80"
 
 
 def _load_mapped(file: Path) -> None:

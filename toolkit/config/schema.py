@@ -460,11 +460,15 @@ class WatchdogConfig:
     # and never before min_stall_s.
     stall_factor: float = 10.0
     min_stall_s: float = 60.0
-    # The bound while starting (build, compile, checkpoint load), saving or finishing.
+    # The bound while starting (build, compile, checkpoint load) or finishing.
     phase_timeout_s: float = 1800.0
+    # A save's bound: 5 x the previous save's time (the same bytes, at the disk's measured
+    # speed) or, for the first, the checkpoint's size at 50 MB/s; never below this floor.
+    save_floor_s: float = 120.0
     # torch.distributed's timeout for every collective (NCCL and gloo, Megatron-Core's groups
-    # too); None: phase_timeout_s, so that no save, load or compile the watchdog allows is
-    # cut (torch's own defaults: 10 minutes on NCCL, 30 on gloo).
+    # too); None: the longest watchdog bound plus a minute, so that the watchdog always
+    # speaks first and names the stuck rank, not a healthy peer waiting for it in a
+    # collective (torch's own defaults: 10 minutes on NCCL, 30 on gloo).
     collective_timeout_s: Optional[float] = None
 
 

@@ -125,7 +125,10 @@ def check_choices(cfg) -> list[str]:
             continue
         if value not in allowed:
             out.append(f"{path}='{value}' is not one of {', '.join(allowed)}{' (or null)' if nullable else ''}.")
-    if cfg.train.warmup_steps >= cfg.train.steps >= 1:
+    if cfg.train.warmup_steps < 0:
+        out.append(f"train.warmup_steps={cfg.train.warmup_steps} must be 0 (no warm-up) or positive. "
+                   f"Fix: train.warmup_steps={max(0, cfg.train.steps // 10)}.")
+    elif cfg.train.warmup_steps >= cfg.train.steps >= 1:
         out.append(
             f"train.warmup_steps={cfg.train.warmup_steps} must be below train.steps={cfg.train.steps} "
             f"(the cosine decay needs steps after the warm-up). Fix: train.warmup_steps={cfg.train.steps // 10}."
@@ -207,7 +210,9 @@ NAME_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]*")
 def check_paths(cfg) -> list[str]:
     """`name` becomes one directory under `job_root` (and the MLflow run's name): it must
     not leave it. Explicit paths are the user's to choose, but a NUL or newline fits in no
-    file name an emitted script can quote."""
+    file name an emitted script can quote. No run writes into a system directory."""
+    from ..path_rules import system_place
+
     out = []
     if cfg.name is not None and not NAME_CHARS.fullmatch(str(cfg.name)):
         out.append(f"name={cfg.name!r} must be one directory name: letters, digits and ._+=,@- (not starting "
@@ -218,6 +223,12 @@ def check_paths(cfg) -> list[str]:
             continue
         if "\0" in str(value) or "\n" in str(value):
             out.append(f"{key}={value!r} holds a NUL or newline character, which no path or script can carry.")
+        elif key == "job_root" and str(value).strip() == "":
+            out.append("job_root='' names no directory (jobs would land in the directory launch.py runs from). "
+                       "Fix: job_root=jobs.")
+        elif key in ("job_root", "job_dir") and system_place(value):
+            out.append(f"{key}={value}: {system_place(value)}, no place for a run's files. "
+                       + ("Fix: job_root=jobs." if key == "job_root" else f"Fix: {key}=null."))
     return out
 
 
@@ -752,7 +763,8 @@ def _data_split_problems(prefix: str, documents: int, data) -> list[str]:
 def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
-    from ..checkpoints.checkpoint_dir import LATEST, writer_problem
+    from ..checkpoints.checkpoint_dir import LATEST, root_problem, writer_problem
+    from ..path_rules import system_place
 
     ck, out = cfg.checkpoint, []
     if ck.keep_last < 0:
@@ -763,7 +775,14 @@ def check_checkpoint(cfg) -> list[str]:
         out.append(f"checkpoint.save_interval={ck.save_interval} must be 0 (end only) or positive.")
     if is_known(cfg.engine):
         out += rules(cfg.engine).checkpoint_problems(cfg)
-    for root in {ck.save, ck.load} - {None}:
+    if ck.save and system_place(ck.save):
+        return out + [f"checkpoint.save={ck.save}: {system_place(ck.save)}, no place for a run's checkpoints. "
+                      "Fix: save into a directory of your own."]
+    for root in sorted({ck.save, ck.load} - {None, ""}):
+        problem = root_problem(root)
+        if problem:  # the load root's are said with the rest of it (checkpoint_dir.describe_problem)
+            out += [problem] if root != ck.load else []
+            continue
         problem = writer_problem(root) if cfg.launcher.name == "local" else None
         if problem:
             out.append(problem)
@@ -843,6 +862,8 @@ def check_tracking(tracking, launcher) -> list[str]:
     from ..tracking.store import store_problem, tracking_uri
 
     problem = store_problem(tracking_uri(tracking))
+    if problem and "Fix:" in problem:
+        return [problem + "."]
     if problem:
         return [f"{problem}. Fix: tracking=off (the job directory keeps everything; `python -m "
                 "gridwright.tracking.sync DIR` logs it later), or point tracking.uri (or MLFLOW_TRACKING_URI) at a "

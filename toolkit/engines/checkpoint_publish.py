@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoints.checkpoint_dir import LATEST, iteration_name, iterations, step_of
+from ..checkpoints.checkpoint_dir import LATEST, POINTER_BYTES, iteration_name, iterations, step_of
+from ..path_rules import read_bounded_text
 from ..planning.disk_space import DiskFull, is_disk_full, no_space_message
 
 
@@ -30,8 +32,8 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
     partial = root / (iteration_name(step) + ".partial")
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a save that was killed
-            shutil.rmtree(partial)
+        if os.path.lexists(partial):  # left by a save that was killed
+            _clear(partial)
         partial.mkdir()
     dist.barrier()
     try:
@@ -42,8 +44,8 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
         raise
     dist.barrier()
     if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
+        if os.path.lexists(final):
+            _clear(final)
         os.replace(partial, final)
         write_text_atomic(root / LATEST, final.name + "\n")
         if keep_last:
@@ -51,13 +53,30 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
     dist.barrier()
 
 
+def _clear(path: Path) -> None:
+    """Remove a `.partial` or `iter_N` this save is about to replace. A link there (which
+    validation refuses before start) is unlinked, never followed: nothing outside the root
+    is touched."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def remove_older(root: Path, keep_last: int) -> list[Path]:
     """Keep the checkpoint `latest` names (just published) and the newest `keep_last - 1`
     before it; remove the older ones. Checkpoints of later steps than `latest` (left by a
-    run that was rolled back) are not counted and not touched, nor is a `.partial`."""
-    kept = (root / LATEST).read_text().strip()
+    run that was rolled back) are not counted and not touched, nor is a `.partial`, nor a
+    link (`iterations` lists real directories only). The new checkpoint is published
+    before this runs, so a removal that fails is said in one line naming the path, and
+    training goes on."""
+    kept = read_bounded_text(root / LATEST, POINTER_BYTES, "the name of one iteration").strip()
     before = [p for p in iterations(root) if step_of(p) < step_of(kept)]
     gone = before[: max(0, len(before) - (keep_last - 1))]
     for path in gone:
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            print(f"checkpoint  could not remove {path} (checkpoint.keep_last={keep_last}): {e.strerror or e}; "
+                  "training goes on", file=sys.stderr, flush=True)
     return gone

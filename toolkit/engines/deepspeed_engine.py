@@ -33,7 +33,7 @@ from .zero_settings import resolved_zero_settings
 from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
 from .optimizer_schedule import adamw, lr_scheduler, optimizer_config, param_groups
 from .protocol import Resumed
-from .timeouts import collective_timeout
+from .timeouts import collective_timeout, first_save_bound_s
 
 
 def extensions_to_build(cluster, zero) -> list[str]:
@@ -59,7 +59,8 @@ class DeepSpeedTrainer:
         if not on_cpu:
             torch.cuda.set_device(self.device)
         backend = "gloo" if on_cpu else "nccl"
-        deepspeed.init_distributed(dist_backend=backend, timeout=collective_timeout(cfg.watchdog, backend))
+        deepspeed.init_distributed(dist_backend=backend, timeout=collective_timeout(cfg.watchdog, backend,
+                                                                                        first_save_bound_s(cfg)))
         torch.manual_seed(cfg.train.seed)
         if cfg.checkpoint.load and not holds_checkpoints(cfg.checkpoint.load):  # a Hugging Face folder: initial weights
             model = load_hf_model(cfg.checkpoint.load, hf_config(cfg.model))

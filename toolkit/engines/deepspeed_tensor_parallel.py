@@ -119,11 +119,12 @@ class DeepSpeedTensorParallelTrainer:
         from megatron.core.transformer import TransformerConfig
 
         from .megatron_groups import init_parallel
+        from .timeouts import first_save_bound_s
         from .megatron_model import build_model_chunks, spec_name, transformer_config_kwargs
 
         self.cfg, self.layout = cfg, layout
         on_cpu = cfg.cluster.device == "cpu"
-        init_parallel(cfg.cluster, cfg.watchdog, layout)
+        init_parallel(cfg.cluster, cfg.watchdog, layout, longest_bound_s=first_save_bound_s(cfg))
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, inference_rng_tracker=on_cpu)

@@ -32,6 +32,7 @@ from .megatron_model import (
 from .optimizer_schedule import lr_scheduler, optimizer_config, set_adam_form
 from .protocol import Resumed
 from .megatron_groups import init_parallel, observed_coordinates
+from .timeouts import first_save_bound_s
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -318,7 +319,8 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
-        init_parallel(cfg.cluster, cfg.watchdog, layout, hybrid_cp=cfg.parallel.cp_mode == "dynamic")
+        init_parallel(cfg.cluster, cfg.watchdog, layout, hybrid_cp=cfg.parallel.cp_mode == "dynamic",
+                      longest_bound_s=first_save_bound_s(cfg))
         yield MegatronTrainer(cfg, layout, data_cache_dir=os.path.join(job_dir or ".", "data_cache"))
         ps.destroy_model_parallel()
         if cfg.engine.cuda_graphs != "none":

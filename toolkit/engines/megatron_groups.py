@@ -12,7 +12,7 @@ from ..planning.layout import ParallelLayout
 from .timeouts import collective_timeout
 
 
-def init_parallel(cluster, watchdog, layout: ParallelLayout, hybrid_cp: bool = False):
+def init_parallel(cluster, watchdog, layout: ParallelLayout, hybrid_cp: bool = False, longest_bound_s: float = 0.0):
     """torch.distributed (gloo on CPU, NCCL on GPUs) and Megatron-Core's process groups,
     with the watchdog's collective timeout; `hybrid_cp` adds the groups of 2, 4 ... DP
     ranks dynamic context parallelism runs documents on."""
@@ -22,7 +22,7 @@ def init_parallel(cluster, watchdog, layout: ParallelLayout, hybrid_cp: bool = F
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "gloo" if on_cpu else "nccl"
-    timeout = collective_timeout(watchdog, backend)
+    timeout = collective_timeout(watchdog, backend, longest_bound_s)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout)
     if dist.get_world_size() != layout.world_size:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, latest_checkpoint, tree_bytes
 from ..planning.disk_space import GIB, checkpoint_bytes, size_text
-from ..runtime.heartbeat import NO_PROGRESS
+from ..runtime.heartbeat import NO_PROGRESS, save_bound_s
 from ..runtime.profiling import ProfileWindow
 from ..runtime.step_metrics import timed_step, write_memory_record
 from . import attention_kernels
@@ -81,6 +81,7 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
     window = ProfileWindow(cfg, job_dir or ".", rank)
     every = cfg.data.eval_interval
     saves = _SaveLines(cfg)
+    last_save_s = None  # the previous save's time: the next one's bound (heartbeat.save_bound_s)
     for step in range(first_step, cfg.train.steps):
         window.before_step(step)
         metrics = timed_step(trainer.train_step, step, on_cuda)
@@ -104,8 +105,10 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
             if rank == 0:
                 saves.announce(done)
             started = time.perf_counter()
-            progress.phase("saving")
+            progress.phase("saving", save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), last_save_s,
+                                                  cfg.watchdog.save_floor_s))
             path = trainer.save(done, ck.save)
+            last_save_s = time.perf_counter() - started
             progress.phase("training")
             if rank == 0:
                 saves.done(path, time.perf_counter() - started)

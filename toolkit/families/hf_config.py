@@ -32,18 +32,36 @@ def _supported_type(model_type) -> Family:
     return FAMILIES[model_type]
 
 
+CONFIG_BYTES = 1 << 20  # a model's config.json is a few kB
+
+
+def raw_hf_config(hf_dir: str | Path) -> dict:
+    """config.json as written (a small regular file of the folder; never a link out, a FIFO
+    or a device), its model type one gridwright supports."""
+    from ..path_rules import PathRefused, model_folder_file, read_bounded_text, what_is
+
+    path = Path(hf_dir) / "config.json"
+    if what_is(path) == "nothing":
+        raise UnsupportedModel(f"{path} does not exist: a Hugging Face model folder holds config.json.")
+    try:
+        raw = json.loads(read_bounded_text(model_folder_file(hf_dir, "config.json"), CONFIG_BYTES, "a model's config",
+                                           follow=True))
+    except PathRefused as e:
+        raise UnsupportedModel(str(e)) from None
+    except json.JSONDecodeError as e:
+        raise UnsupportedModel(f"{path} is not valid JSON ({e}).") from e
+    if not isinstance(raw, dict):
+        raise UnsupportedModel(f"{path} is not a JSON object.")
+    _supported_type(raw.get("model_type"))
+    return raw
+
+
 def read_hf_config(hf_dir: str | Path) -> dict:
     """config.json with transformers' defaults filled in (as its model classes would see it)."""
     import transformers
 
+    raw_hf_config(hf_dir)
     path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise UnsupportedModel(f"{path} does not exist: a Hugging Face model folder holds config.json.")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UnsupportedModel(f"{path} is not valid JSON ({e}).") from e
-    _supported_type(raw.get("model_type"))
     try:
         return transformers.AutoConfig.from_pretrained(str(hf_dir)).to_dict()
     except (ValueError, TypeError, KeyError) as e:

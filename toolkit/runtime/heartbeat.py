@@ -53,8 +53,9 @@ class Heartbeat:
         faulthandler.register(STACK_SIGNAL, file=self._stacks, all_threads=True)
         self._write()
 
-    def phase(self, name: str) -> None:
-        self.record["phase"] = name
+    def phase(self, name: str, bound_s: float | None = None) -> None:
+        """Enter phase `name`; `bound_s`: how long it may take (else the watchdog's own)."""
+        self.record.update(phase=name, bound_s=bound_s)
         self._write()
 
     def step_done(self, step: int, step_time_s: float) -> None:
@@ -68,10 +69,23 @@ class Heartbeat:
         write_text_atomic(self.path, json.dumps(self.record))
 
 
+FIRST_SAVE_BYTES_PER_S = 50e6  # a slow network file system: the first save's assumed speed
+SAVE_SLACK = 5.0  # a save may take this many times the previous one before it is stuck
+
+
+def save_bound_s(checkpoint_bytes: int, previous_save_s: float | None, floor_s: float) -> float:
+    """How long a save may take before the watchdog calls the rank stuck: from the
+    previous save's time (same size, this disk's speed), else from the checkpoint's size
+    at a slow disk's speed, never below `floor_s`."""
+    if previous_save_s is not None:
+        return max(floor_s, SAVE_SLACK * previous_save_s)
+    return max(floor_s, checkpoint_bytes / FIRST_SAVE_BYTES_PER_S)
+
+
 class _NoProgress:
     """What an engine's loop reports to when nobody listens (tests, tools)."""
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str, bound_s: float | None = None) -> None:
         pass
 
     def step_done(self, step: int, step_time_s: float) -> None:

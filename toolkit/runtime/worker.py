@@ -24,8 +24,9 @@ from pathlib import Path
 
 from ..atomic_io import write_text_atomic
 from ..process_exit import exit_without_final_collection
-from ..checkpoints.checkpoint_dir import hold_writer_lock, latest_checkpoint
+from ..checkpoints.checkpoint_dir import BadPointer, hold_writer_lock, latest_checkpoint
 from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
+from ..path_rules import PathRefused
 from .jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
 from gridwright.launchers.failure_report import log_only
@@ -236,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         return train(args.job_dir.resolve())
-    except UntrustedCheckpointFile as e:  # input the user can act on: one line (per node), no traceback
+    except (UntrustedCheckpointFile, PathRefused, BadPointer) as e:  # input the user can act on: one line
+        # (per node), no traceback
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_REFUSED

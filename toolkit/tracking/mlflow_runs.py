@@ -437,10 +437,11 @@ def close_run(tracking, run_id: str, status: str, job_dir: Path | None = None, e
     client.set_terminated(run_id, status=MLFLOW_STATUS[status])
 
 
-def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None) -> str | None:
+def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None, ended_by_us: bool = False) -> str | None:
     """Close the job's run if it is still RUNNING but the process that kept it open is
     gone (killed, or crashed before closing it); returns the run id when it did. `error`
-    says why, when the caller knows (a hang the watchdog found)."""
+    says why, when the caller knows (a hang the watchdog found). `ended_by_us`: the
+    launcher ended a stuck agent, and the run is `status` even if the workers finished."""
     owner = run_owner.owner(job_dir)
     if not owner or run_owner.owner_gone(owner) is not True:
         return None
@@ -451,7 +452,7 @@ def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None
         return None
     if run.info.status != "RUNNING":
         return None
-    if job_outcome(cfg.launcher, Path(job_dir)) == "finished":
+    if not ended_by_us and job_outcome(cfg.launcher, Path(job_dir)) == "finished":
         status = "finished"  # the owner died after the run's last write
     close_run(cfg.tracking, run.info.run_id, status, job_dir,
               error=None if status == "finished" else error or

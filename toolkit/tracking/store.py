@@ -48,8 +48,19 @@ def store_problem(uri: str) -> str | None:
 
 
 def _sqlite_problem(path: Path) -> str | None:
-    if not path.exists():
+    from ..path_rules import system_place, what_is
+
+    found = what_is(path)
+    if found == "nothing":  # created by the first run, in a directory that must exist already
+        if not path.parent.is_dir():
+            return (f"the MLflow store {path} would go into {path.parent}, which does not exist (gridwright "
+                    f"creates no directories for a store). Fix: mkdir -p {path.parent}, or "
+                    "tracking.uri=sqlite:///mlflow.db")
+        if system_place(path.parent):
+            return f"the MLflow store {path}: {system_place(path.parent)}. Fix: tracking.uri=sqlite:///mlflow.db"
         return None
+    if found != "a regular file" and not (found.startswith("a symbolic link") and path.is_file()):
+        return f"the MLflow store {path} is {found}, not a regular file: refused. Fix: tracking.uri=sqlite:///mlflow.db"
     try:
         with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=PROBE_TIMEOUT_S) as con:
             verdict = con.execute("PRAGMA quick_check").fetchone()[0]

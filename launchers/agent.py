@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
         console.keep_torch_logs_in_file()
         _register_loopback_backend()
-        watchdog = _start_watchdog(job_dir, token)
+        watchdog = _start_watchdog(job_dir, token, node, nodes_of(torchrun_args))
         try:
             _torchrun(job_dir, torchrun_args, console)
             code = 0
@@ -392,8 +392,9 @@ class Console:
         self.log.close()
 
 
-def _start_watchdog(job_dir: Path, token: str):
-    """The hang finder over this node's ranks (gridwright.launchers.watchdog)."""
+def _start_watchdog(job_dir: Path, token: str, node: int, nodes: int):
+    """The hang finder over this node's ranks (gridwright.launchers.watchdog), and, in a
+    job of several nodes, over the other nodes' agents (gridwright.launchers.peer_agents)."""
     from gridwright.runtime.jobdir import load_job_config
 
     from .watchdog import Watchdog
@@ -402,7 +403,17 @@ def _start_watchdog(job_dir: Path, token: str):
         cfg = load_job_config(job_dir)
     except OSError:
         return None
-    return Watchdog(job_dir, cfg, token).start()
+    return Watchdog(job_dir, cfg, token, node=node, watch_peers=nodes > 1).start()
+
+
+def nodes_of(torchrun_args: list[str]) -> int:
+    """How many nodes the job has, from torchrun's `--nnodes` (N, or MIN:MAX: MAX)."""
+    for i, arg in enumerate(torchrun_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--nnodes=") else (
+            torchrun_args[i + 1] if arg == "--nnodes" and i + 1 < len(torchrun_args) else None)
+        if value is not None:
+            return int(value.split(":")[-1])
+    return 1
 
 
 def node_rank(torchrun_args: list[str]) -> int:
@@ -454,13 +465,15 @@ class JobRun:
         from gridwright.runtime.jobdir import FAILURE_FILE, SUMMARY_FILE, read_json
         from gridwright.tracking import mlflow_runs as tracking
 
+        from .peer_agents import loss_after
         from .watchdog import hang_summary
 
         stopped = signum or read_json(self.job_dir / SUMMARY_FILE).get("stopped_by_signal")
         status = "killed" if stopped else "finished" if code == 0 else "failed"
         error = None
         if status != "finished":
-            error = (hang_summary(self.job_dir, since=since) or read_json(self.job_dir / FAILURE_FILE).get("error")
+            error = (hang_summary(self.job_dir, since=since) or loss_after(self.job_dir, since=since)
+                     or read_json(self.job_dir / FAILURE_FILE).get("error")
                      or f"the workers ended with exit code {code}")
         try:
             tracking.close_run(self.cfg.tracking, self.run_id, status, job_dir=self.job_dir, error=error)

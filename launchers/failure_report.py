@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gridwright.runtime.jobdir import FAILURE_FILE, LOGS_DIR, rank_log, read_json
+from .peer_agents import AGENTS_DIR, LOST_FILE, loss_after
 
 _LOG_ONLY = re.compile(r"\[rank\d+\]:( |$)")  # torch's C++ lines, `[rank0]:[W ...`, stay on the terminal
 _ERROR_FILE = re.compile(r"rank(\d+)\.error\.json")
@@ -139,6 +140,10 @@ def block(job_dir: Path, exit_code: int, since: float = 0.0) -> list[str]:
     summary = summarise(job_dir, since)
     first, hang = summary.first, summary.hang
     logs = job_dir / LOGS_DIR
+    lost = loss_after(job_dir, since)
+    if lost is not None:  # the ranks' errors follow from it (their peers' collectives broke)
+        return [f"failed      {lost}; the other agents ended the job (see {job_dir / AGENTS_DIR / LOST_FILE})",
+                f"error: the job failed with exit code {exit_code}; see {job_dir}"]
     if hang is not None:
         step = "before its first step" if hang["step"] is None else f"after step {hang['step']}"
         lines = [f"failed      rank {hang['rank']} hung: no progress for {hang['silent_s']:g} s {step}; the "

@@ -34,6 +34,8 @@ import psutil
 from gridwright.atomic_io import write_text_atomic
 from gridwright.runtime.heartbeat import STACK_SIGNAL, read_heartbeats, stacks_file
 
+from .peer_agents import PeerAgents
+
 HANGS_DIR = "hangs"  # one finding per node agent: hangs/<host>-<token>.json
 _POLL_S = 1.0
 _DUMP_WAIT_S = 3.0
@@ -127,9 +129,11 @@ class Watchdog:
     """Started by the agent; `finding` is set once it has stopped this node's workers for a
     hang. It goes on watching: with `launcher.max_restarts`, torchrun starts new workers."""
 
-    def __init__(self, job_dir: Path, cfg, token: str):
+    def __init__(self, job_dir: Path, cfg, token: str, node: int = 0, watch_peers: bool = False):
         self.job_dir, self.cfg, self.token = Path(job_dir), cfg, token
         self.finding: dict | None = None
+        self.peers = PeerAgents(self.job_dir, node) if watch_peers else None
+        self.lost_peer: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gridwright-watchdog", daemon=True)
     def start(self) -> "Watchdog":
@@ -139,6 +143,9 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.peers is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)
+            self.peers.beat(ended=True)  # this agent's end is no loss to its peers
 
     def _mine(self) -> dict[int, dict]:
         """This node's live workers: heartbeats under this agent's token whose process is
@@ -158,8 +165,23 @@ class Watchdog:
                 late = late_ranks(beats, self.cfg, time.time())
                 if late:
                     self._stop_for(beats, late)
+                if self.peers is not None:
+                    self._watch_peers(beats)
             except (OSError, psutil.Error):  # /proc read while processes end (EBADF at a teardown): next poll
                 continue
+
+    def _watch_peers(self, beats: dict[int, dict]) -> None:
+        self.peers.beat()
+        lost = self.peers.lost_peer() if self.lost_peer is None else None
+        if lost is None:
+            return
+        self.lost_peer = lost
+        print(f"agent       {self.peers.record_loss(lost)}: ending this node's workers", file=sys.stderr, flush=True)
+        for rec in beats.values():  # their collectives would wait for the lost node's ranks
+            try:
+                os.kill(rec["pid"], signal.SIGKILL)
+            except OSError:
+                pass
 
     def _stop_for(self, beats: dict[int, dict], late: dict[int, float]) -> None:
         ranks = _dump_stacks(self.job_dir, beats)

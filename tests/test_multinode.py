@@ -2,6 +2,7 @@
 and the sbatch script, unedited, on a local Slurm with two nodes, with a requeue."""
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,3 +136,55 @@ def processes_of(job: Path) -> list:
         except psutil.Error:
             continue
     return out
+
+
+def test_a_stopped_agent_on_another_node_is_named_and_ends_the_job(tmp_path):
+    """Node 1's agent SIGSTOPped: its workers go on, but node 0's agent no longer hears it
+    (peer_agents), names it and ends the job; MLflow says FAILED."""
+    import psutil
+
+    from gridwright.launchers.peer_agents import SILENT_S
+
+    job = tmp_path / "job"
+    planned = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), f"job_dir={job}", f"tracking.uri=sqlite:///{tmp_path / 'ml.db'}",
+         "train.steps=100000", "train.warmup_steps=1", "launcher=torchrun", "cluster.nodes=2",
+         "cluster.gpus_per_node=1", "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if l and not l.startswith("#")]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    logs = [open(tmp_path / f"node{i}.out", "w") for i in range(2)]
+    nodes = [subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True) for line, log in zip(lines, logs)]
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not ((job / "metrics.jsonl").is_file()
+                                              and (job / "agents" / "node1.json").is_file()):
+            time.sleep(0.5)
+        agent = json.loads((job / "agents" / "node1.json").read_text())["pid"]
+        assert "gridwright.launchers.agent" in " ".join(psutil.Process(agent).cmdline())
+        psutil.Process(agent).suspend()  # SIGSTOP
+        stopped = time.time()
+        nodes[0].wait(timeout=SILENT_S + 90)
+        took = time.time() - stopped
+    finally:
+        for node in nodes:  # node 1's bash still waits for its stopped agent
+            try:
+                tree = [psutil.Process(node.pid)] + psutil.Process(node.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for p in tree:
+                p.kill()
+            psutil.wait_procs(tree, timeout=30)
+        for log in logs:
+            log.close()
+    out = (tmp_path / "node0.out").read_text()
+    assert nodes[0].returncode == 1, out[-3000:]
+    assert SILENT_S <= took <= SILENT_S + 60, took
+    named = f"the agent on node 1 ({socket.gethostname()}, pid {agent})"
+    assert f"agent       {named} has not been heard from for " in out, out[-3000:]
+    assert f"failed      {named}" in out, out[-3000:]
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["gridwright.error"].startswith(named), run.data.tags

@@ -1,8 +1,8 @@
 """Untrusted checkpoints never run code: a payload planted in each pickled file of a real
 Megatron-Core and DeepSpeed checkpoint never runs on any path that reads it (pre-start
 check, the workers' resume, every conversion), and each path refuses in one line, exit 2.
-The trust switch runs the same payload (so the payloads are live), and loads a real
-checkpoint of one's own."""
+Each payload is live (unpickled as upstream would, it runs; the trust switch runs the one
+inside a shard), and the switch loads a real checkpoint of one's own."""
 from __future__ import annotations
 
 import importlib
@@ -61,6 +61,10 @@ def saved(tmp_path_factory):
     return out
 
 
+# The torch files planted in, by plant.
+TORCH_FILES = {"megatron common.pt": "common.pt", "zero0 model states": "mp_rank_00_model_states.pt",
+               "zero3 optimizer states": "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+               "zero3 model states": "zero_pp_rank_0_mp_rank_00_model_states.pt"}
 PLANTS = {
     "megatron common.pt": ("megatron", lambda it, m: plant_in_torch_file(it / "common.pt", m)),
     "megatron .metadata": ("megatron", plant_in_dcp_metadata),
@@ -120,9 +124,16 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
         pickle.loads(te_payload(ck))
         assert marker.exists(), "the planted TE extra state did not run when unpickled: the test proves nothing"
         return
-    # The payload is live: a resume that trusts the checkpoint runs it.
-    launch(tmp_path, *engine, "train.steps=3", f"checkpoint.load={ck}", "checkpoint.trust_pickled_code=true")
-    assert marker.exists(), "the planted payload did not run even when trusted: the test proves nothing"
+    # The payload is live: unpickled as an upstream reader would (the planted file itself),
+    # or, for an object inside a shard, by a resume that trusts the checkpoint.
+    if plant == "megatron .distcp object":
+        launch(tmp_path, *engine, "train.steps=3", f"checkpoint.load={ck}", "checkpoint.trust_pickled_code=true")
+    elif plant == "megatron .metadata":
+        with open(latest(ck) / ".metadata", "rb") as f:
+            pickle.load(f)
+    else:
+        torch.load(latest(ck) / TORCH_FILES[plant], map_location="cpu", weights_only=False)
+    assert marker.exists(), "the planted payload did not run when unpickled: the test proves nothing"
 
 
 def te_payload(ck: Path) -> bytes:

@@ -327,3 +327,25 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     for p in tree:
         p.kill()
     psutil.wait_procs(tree, timeout=30)
+
+
+def test_a_link_planted_as_a_coming_save_is_unlinked_and_training_goes_on(victim, tmp_path):
+    """Planted after the pre-start check, where a later save will stage its files: the save
+    removes the link (never what it points to) and the run finishes with every step."""
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_root={tmp_path / 'jobs'}",
+           "train.warmup_steps=1", "train.steps=40", "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+           f"checkpoint.save={ck}"]
+    before = fingerprint(victim)
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_without_mlflow(), stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (ck / "latest").exists():
+        assert proc.poll() is None, (tmp_path / "out.txt").read_text()[-3000:]
+        time.sleep(0.05)
+    (ck / "iter_0000040.partial").symlink_to(victim / "dir")
+    (ck / "iter_0000040").symlink_to(victim / "dir")
+    assert proc.wait(timeout=240) == 0, (tmp_path / "out.txt").read_text()[-3000:]
+    assert (ck / "latest").read_text().strip() == "iter_0000040"
+    assert not (ck / "iter_0000040").is_symlink() and (ck / "iter_0000040" / "metadata.json").is_file()
+    assert fingerprint(victim) == before and sorted(os.listdir(victim / "dir")) == ["keep.bin"]

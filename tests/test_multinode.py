@@ -145,23 +145,8 @@ def test_a_stopped_agent_on_another_node_is_named_and_ends_the_job(tmp_path):
 
     from gridwright.launchers.peer_agents import SILENT_S
 
-    job = tmp_path / "job"
-    planned = subprocess.run(
-        [sys.executable, str(REPO / "launch.py"), f"job_dir={job}", f"tracking.uri=sqlite:///{tmp_path / 'ml.db'}",
-         "train.steps=100000", "train.warmup_steps=1", "launcher=torchrun", "cluster.nodes=2",
-         "cluster.gpus_per_node=1", "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert planned.returncode == 0, planned.stderr[-3000:]
-    lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if l and not l.startswith("#")]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    logs = [open(tmp_path / f"node{i}.out", "w") for i in range(2)]
-    nodes = [subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True) for line, log in zip(lines, logs)]
+    nodes, logs, job = _two_agents_training(tmp_path)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not ((job / "metrics.jsonl").is_file()
-                                              and (job / "agents" / "node1.json").is_file()):
-            time.sleep(0.5)
         agent = json.loads((job / "agents" / "node1.json").read_text())["pid"]
         assert "gridwright.launchers.agent" in " ".join(psutil.Process(agent).cmdline())
         psutil.Process(agent).suspend()  # SIGSTOP
@@ -169,14 +154,7 @@ def test_a_stopped_agent_on_another_node_is_named_and_ends_the_job(tmp_path):
         nodes[0].wait(timeout=SILENT_S + 90)
         took = time.time() - stopped
     finally:
-        for node in nodes:  # node 1's bash still waits for its stopped agent
-            try:
-                tree = [psutil.Process(node.pid)] + psutil.Process(node.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                continue
-            for p in tree:
-                p.kill()
-            psutil.wait_procs(tree, timeout=30)
+        _end(nodes)  # node 1's bash still waits for its stopped agent
         for log in logs:
             log.close()
     out = (tmp_path / "node0.out").read_text()
@@ -188,3 +166,48 @@ def test_a_stopped_agent_on_another_node_is_named_and_ends_the_job(tmp_path):
     client, run = the_run(tmp_path)
     assert run.info.status == "FAILED"
     assert run.data.tags["gridwright.error"].startswith(named), run.data.tags
+
+
+def _two_agents_training(tmp_path: Path, tries: int = 3):
+    """A long two-node job's torchrun lines started as two agents, once node 0 has trained
+    a step and node 1's agent has beaten: (processes, their log files, the job directory).
+    A rendezvous port taken between free_port() and the agent's bind (another test's) is
+    tried again with a new one."""
+    for attempt in range(tries):
+        job = tmp_path / f"job{attempt}"
+        planned = subprocess.run(
+            [sys.executable, str(REPO / "launch.py"), f"job_dir={job}", f"tracking.uri=sqlite:///{tmp_path / 'ml.db'}",
+             "train.steps=100000", "train.warmup_steps=1", "launcher=torchrun", "cluster.nodes=2",
+             "cluster.gpus_per_node=1", "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert planned.returncode == 0, planned.stderr[-3000:]
+        lines = [l for l in (job / "torchrun_commands.sh").read_text().splitlines() if l and not l.startswith("#")]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+        logs = [open(tmp_path / f"node{i}.out", "w") for i in range(2)]
+        nodes = [subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True) for line, log in zip(lines, logs)]
+        deadline = time.time() + 240
+        while time.time() < deadline and nodes[0].poll() is None and not (
+                (job / "metrics.jsonl").is_file() and (job / "agents" / "node1.json").is_file()):
+            time.sleep(0.5)
+        if nodes[0].poll() is None:
+            return nodes, logs, job
+        _end(nodes)
+        for log in logs:
+            log.close()
+        out = (tmp_path / "node0.out").read_text()
+        assert "EADDRINUSE" in out, out[-3000:]
+    raise AssertionError(f"no free rendezvous port in {tries} tries")
+
+
+def _end(nodes) -> None:
+    import psutil
+
+    for node in nodes:
+        try:
+            tree = [psutil.Process(node.pid)] + psutil.Process(node.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for p in tree:
+            p.kill()
+        psutil.wait_procs(tree, timeout=30)

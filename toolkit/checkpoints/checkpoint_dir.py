@@ -82,9 +82,12 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         raise BadPointer(
             f"{pointer} names no iteration (it should hold iter_NNNNNNN). "
             "Fix: point checkpoint.load at an intact checkpoint directory.")
-    problem = entry_problem(path, root, "directory")
+    if what_is(path) == "nothing":
+        problem = "it does not exist, so it is not a complete checkpoint"
+    else:
+        problem = entry_problem(path, root, "directory")
     if problem is None and not ((path / "metadata.json").is_file() or (path / DEEPSPEED_MANIFEST).is_file()):
-        problem = f"{path} is not a complete checkpoint"
+        problem = "it is not a complete checkpoint (no metadata.json, no manifest)"
     if problem:
         raise BadPointer(
             f"{pointer} names '{name}': {problem}. Fix: point checkpoint.load at an intact checkpoint directory.")

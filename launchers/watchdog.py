@@ -134,6 +134,7 @@ class Watchdog:
         self.finding: dict | None = None
         self.peers = PeerAgents(self.job_dir, node) if watch_peers else None
         self.lost_peer: dict | None = None
+        self.polls_failed = 0  # polls that met an OSError or psutil.Error and were skipped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="gridwright-watchdog", daemon=True)
     def start(self) -> "Watchdog":
@@ -168,7 +169,7 @@ class Watchdog:
                 if self.peers is not None:
                     self._watch_peers(beats)
             except (OSError, psutil.Error):  # /proc read while processes end (EBADF at a teardown): next poll
-                continue
+                self.polls_failed += 1
 
     def _watch_peers(self, beats: dict[int, dict]) -> None:
         self.peers.beat()

@@ -98,6 +98,33 @@ def test_a_rank_stuck_in_a_save_is_named_within_the_saves_bound(tmp_path):
     assert "saving" in block[0], block[0]
 
 
+WATCHDOG_UNDER_CLOSED_FDS = """
+import os, sys, time
+from pathlib import Path
+import gridwright.launchers.watchdog as wd
+from gridwright.config.compose import compose_config
+job = Path(sys.argv[1])
+(job / "heartbeats").mkdir(parents=True)
+wd._POLL_S = 0.0005  # thousands of polls in the 3 s below
+watchdog = wd.Watchdog(job, compose_config([]), "token").start()
+end = time.time() + 3
+while time.time() < end:  # as a teardown does: every descriptor psutil and the reads open is closed under them
+    os.closerange(3, 4096)
+os.write(1, f"{watchdog._thread.is_alive()} {watchdog.polls_failed}".encode())
+"""
+
+
+@pytest.mark.slow  # a process of its own: it closes its descriptors
+def test_the_watchdog_thread_survives_descriptors_closed_under_its_proc_reads(tmp_path):
+    """psutil's /proc reads and the heartbeat reads meet EBADF when a process's descriptors
+    are closed under them (an agent's teardown); the thread skips that poll and goes on."""
+    done = subprocess.run([sys.executable, "-c", WATCHDOG_UNDER_CLOSED_FDS, str(tmp_path / "job")],
+                          capture_output=True, text=True, timeout=120)
+    alive, failed = done.stdout.split()
+    assert alive == "True", done.stderr[-3000:]
+    assert int(failed) > 0, "no poll met a closed descriptor: the test proves nothing"
+
+
 def test_the_collective_timeout_outlasts_every_watchdog_bound(compose):
     """A minute above the longest bound, so that the watchdog names a stuck rank before a
     healthy peer's collective times out and takes the blame."""

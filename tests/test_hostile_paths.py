@@ -349,3 +349,24 @@ def test_a_link_planted_as_a_coming_save_is_unlinked_and_training_goes_on(victim
     assert (ck / "latest").read_text().strip() == "iter_0000040"
     assert not (ck / "iter_0000040").is_symlink() and (ck / "iter_0000040" / "metadata.json").is_file()
     assert fingerprint(victim) == before and sorted(os.listdir(victim / "dir")) == ["keep.bin"]
+
+
+def test_the_workers_own_resume_refuses_a_fifo_latest_in_one_line(saved, tmp_path):
+    """A torchrun job has no pre-start check on the launching machine: the workers read
+    `latest` themselves, and refuse it without blocking."""
+    from gridwright.runtime.loopback import free_port
+
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    job = tmp_path / "job"
+    planned = launch(tmp_path, "train.steps=4", f"checkpoint.load={ck}", "launcher=torchrun",
+                     "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}", f"job_dir={job}")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    _latest_fifo(ck, None)
+    line = (job / "torchrun_commands.sh").read_text().strip().splitlines()[-1]
+    result = run(["bash", "-c", line], tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    refusals = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+    assert refusals == [f"error: {ck / 'latest'} is a FIFO, not a regular file: refused. "
+                        "Fix: point checkpoint.load at an intact checkpoint directory."], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

@@ -314,12 +314,18 @@ def _agent_once_training(proc: subprocess.Popen, jobs: Path, timeout: float = 24
         assert proc.poll() is None, "the job ended before its agent was stopped"
         metrics = list(jobs.rglob("metrics.jsonl"))
         if metrics and metrics[0].stat().st_size > 0:
-            agents = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                      if "gridwright.launchers.agent" in " ".join(p.cmdline())]
+            agents = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_agent(p)]
             if agents:
                 return agents[0]
         time.sleep(0.5)
     raise AssertionError("the job never trained a step")
+
+
+def _is_agent(p: psutil.Process) -> bool:
+    try:
+        return "gridwright.launchers.agent" in " ".join(p.cmdline())
+    except psutil.Error:  # a short-lived child, gone already
+        return False
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

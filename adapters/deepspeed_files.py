@@ -9,14 +9,12 @@ are DeepSpeed's file layout, read in `deepspeed_internals.checkpoint_files`.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from ..checkpoints.checkpoint_dir import DEEPSPEED_MANIFEST, MANIFEST_BYTES, CheckpointError, checkpoint_to_load, engine_of
+from ..checkpoints.checkpoint_dir import DEEPSPEED_MANIFEST, CheckpointError, checkpoint_to_load, engine_of, read_manifest
 from ..checkpoints.checkpoint_trust import load_torch_file, refuse_pickled_code
-from ..path_rules import read_bounded_text
 
 
 class NotADeepSpeedCheckpoint(ValueError):
@@ -39,10 +37,6 @@ def find_deepspeed_checkpoint(path: str | Path) -> Path:
     if engine_of(it) != "deepspeed":
         raise NotADeepSpeedCheckpoint(f"{it} was written by the Megatron engine: use megatron-to-hf.")
     return it
-
-
-def read_manifest(iteration: Path) -> dict:
-    return json.loads(read_bounded_text(iteration / DEEPSPEED_MANIFEST, MANIFEST_BYTES, "a checkpoint's manifest"))
 
 
 def consolidated_weights(iteration: Path) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -68,10 +69,10 @@ class SafetensorsSource:
 
     def _checked(self, fname: str) -> Path:
         """`fname` of this folder as a path that may be read (path_rules.model_folder_file)."""
-        if not os.path.lexists(self.dir / fname) and "/" not in fname and fname not in ("", ".", ".."):
-            raise BadCheckpoint(f"{self.dir / fname} is listed in the index but does not exist.")
         try:
             return model_folder_file(self.dir, fname)
+        except FileNotFoundError:
+            raise BadCheckpoint(f"{self.dir / fname} is listed in the index but does not exist.") from None
         except PathRefused as e:
             raise BadCheckpoint(f"{e}.") from None
 
@@ -87,8 +88,6 @@ class SafetensorsSource:
         """The model sizes of a config.json that the files contradict (layers, hidden size,
         vocabulary, heads), read from the headers alone: a config asking for 10^6 layers or
         10^9 hidden units is refused in a second, before transformers or any allocation."""
-        import re
-
         out = []
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                     "intermediate_size", "head_dim"):

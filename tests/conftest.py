@@ -58,8 +58,6 @@ def sigkill_after_save(cmd: list[str], cwd: Path, ck: Path, step: int, timeout: 
     and return the step `latest` names afterwards."""
     import time
 
-    import psutil
-
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     latest = ck / "latest"
@@ -68,13 +66,27 @@ def sigkill_after_save(cmd: list[str], cwd: Path, ck: Path, step: int, timeout: 
         if latest.exists() and int(latest.read_text().strip()[5:]) >= step:
             break
         time.sleep(0.02)
-    # All at once: torchrun starts its workers in sessions of their own.
-    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    for p in tree:
-        p.kill()
+    kill_process_tree(proc.pid)
     proc.wait()
-    psutil.wait_procs(tree, timeout=30)
     return int(latest.read_text().strip()[5:])
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid` and all its descendants at once (torchrun starts its workers in
+    sessions of their own; a stopped process dies too), and wait for them. Nothing when
+    `pid` has ended already."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=30)
 
 
 def only_job_dir(tmp_path: Path) -> Path:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlflow
 import psutil
@@ -18,18 +19,29 @@ from gridwright.engines.timeouts import collective_timeout
 import pytest
 
 
-@pytest.mark.slow
-def test_a_stopped_rank_stops_the_job_within_the_bound(tmp_path):
-    job, store = tmp_path / "job", f"sqlite:///{tmp_path / 'mlflow.db'}"
+def start_until_rank_1_beats(tmp_path: Path, job: Path, *overrides, stdout=subprocess.PIPE):
+    """A long two-rank run into `job`; returns it, rank 1's heartbeat file and the deadline
+    (240 s from the start) once that file exists."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"job_dir={job}", f"tracking.uri={store}",
-                             "train.steps=100000", "train.warmup_steps=1", "watchdog.min_stall_s=15"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"job_dir={job}", "train.steps=100000",
+                             "train.warmup_steps=1", *overrides],
+                            cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
     try:
-        deadline = time.time() + 240
         while time.time() < deadline and not list((job / "heartbeats").glob("*/rank_00001.json")):
             time.sleep(0.2)
         (beat,) = (job / "heartbeats").glob("*/rank_00001.json")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, beat, deadline
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_stops_the_job_within_the_bound(tmp_path):
+    job, store = tmp_path / "job", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc, beat, deadline = start_until_rank_1_beats(tmp_path, job, f"tracking.uri={store}", "watchdog.min_stall_s=15")
+    try:
         while time.time() < deadline and json.loads(beat.read_text())["step"] is None:
             time.sleep(0.2)
         victim = json.loads(beat.read_text())["pid"]
@@ -66,17 +78,10 @@ def test_a_rank_stuck_in_a_save_is_named_within_the_saves_bound(tmp_path):
     """The save's bound comes from the previous save's time (with its floor), not the
     30-minute phase bound; the healthy rank waiting in the save's barrier is not blamed."""
     job, ck = tmp_path / "job", tmp_path / "ck"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), f"job_dir={job}", "tracking=off",
-                             "train.steps=100000", "train.warmup_steps=1", f"checkpoint.save={ck}",
-                             "checkpoint.save_interval=1", "checkpoint.keep_last=2", "watchdog.save_floor_s=15",
-                             "watchdog.min_stall_s=900"],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, beat, deadline = start_until_rank_1_beats(
+        tmp_path, job, "tracking=off", f"checkpoint.save={ck}", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
+        "watchdog.save_floor_s=15", "watchdog.min_stall_s=900", stdout=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline and not list((job / "heartbeats").glob("*/rank_00001.json")):
-            time.sleep(0.2)
-        (beat,) = (job / "heartbeats").glob("*/rank_00001.json")
         while time.time() < deadline:  # stop rank 1 inside a save (after one was timed)
             rec = json.loads(beat.read_text())
             if rec["phase"] == "saving" and (ck / "latest").exists():

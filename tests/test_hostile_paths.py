@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from checkpoint_payloads import Payload, env_without_mlflow, latest
-from conftest import REPO
+from conftest import REPO, kill_process_tree
 
 pytestmark = pytest.mark.slow  # trains one checkpoint, converts, and runs a job to stop its agent
 
@@ -297,7 +297,7 @@ def test_a_stopped_agent_ends_the_job_within_its_bound_naming_the_node(tmp_path)
         took = time.monotonic() - stopped
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_process_tree(proc.pid)
     err = (tmp_path / "err.txt").read_text()
     assert proc.returncode == 1, err[-3000:]
     assert AGENT_STOPPED_BOUND_S <= took <= AGENT_STOPPED_BOUND_S + 45, took
@@ -326,13 +326,6 @@ def _is_agent(p: psutil.Process) -> bool:
         return "gridwright.launchers.agent" in " ".join(p.cmdline())
     except psutil.Error:  # a short-lived child, gone already
         return False
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    for p in tree:
-        p.kill()
-    psutil.wait_procs(tree, timeout=30)
 
 
 def test_a_link_planted_as_a_coming_save_is_unlinked_and_training_goes_on(victim, tmp_path):

@@ -86,13 +86,16 @@ def model_folder_file(folder: str | os.PathLike, name: str) -> Path:
     """`name` of a Hugging Face model folder, as a path that may be read: a plain file name
     (no '/', no '..'), a regular file, or a link to one inside the folder or into the Hub
     cache's blob store that the folder is a snapshot of (`models--*/snapshots/REV/` links
-    each file to `../../blobs/HASH`). Anything else raises PathRefused."""
+    each file to `../../blobs/HASH`). Anything else raises PathRefused; a plain name that
+    is absent raises FileNotFoundError."""
     folder = Path(folder)
     path = folder / name
     if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise PathRefused(f"'{name[:200]}' is not a file name of {folder}: refused (a model folder's index lists "
                           "file names in its own folder)")
     found = what_is(path)
+    if found == "nothing":
+        raise FileNotFoundError(path)
     if found.startswith("a symbolic link"):
         real = Path(os.path.realpath(path))
         if inside(path, folder) or real.is_relative_to(folder.resolve().parent.parent / "blobs"):

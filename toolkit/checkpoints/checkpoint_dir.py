@@ -37,6 +37,7 @@ CONVERSION_HINT = {
 }
 _ITERATION = re.compile(r"iter_(\d{7,})")  # 7 digits, more from step 10,000,000 on
 POINTER_BYTES = 64  # what `latest` may hold: one iteration's name and a newline
+LOCK_BYTES = 256  # what the writer lock holds: {"host": ..., "pid": ...}
 MANIFEST_BYTES = 64 << 20  # a DeepSpeed manifest: a JSON list of files and the common state
 
 # Model fields a run may change from its checkpoint's: they shape neither the weights nor
@@ -65,18 +66,24 @@ def step_of(path: str | os.PathLike) -> int:
     return int(match.group(1))
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none. The pointer
-    is read as a small regular file (never a link, a FIFO or a device); its content is
-    never echoed."""
-    root = Path(root)
-    pointer = root / LATEST
+def latest_name(root: str | os.PathLike) -> str | None:
+    """What `root/latest` holds, stripped, or None without one. The pointer is read as a
+    small regular file (never a link, a FIFO or a device); its content is never echoed."""
+    pointer = Path(root) / LATEST
     if not os.path.lexists(pointer):
         return None
     try:
-        name = read_bounded_text(pointer, POINTER_BYTES, "the name of one iteration").strip()
+        return read_bounded_text(pointer, POINTER_BYTES, "the name of one iteration").strip()
     except PathRefused as e:
         raise BadPointer(f"{e}. Fix: point checkpoint.load at an intact checkpoint directory.") from None
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `root` (latest_name), or None when there is none."""
+    root = Path(root)
+    pointer, name = root / LATEST, latest_name(root)
+    if name is None:
+        return None
     path = root / name
     if not _ITERATION.fullmatch(name):
         raise BadPointer(
@@ -147,7 +154,7 @@ def damage(path: str | os.PathLike, trust: bool | None = None) -> str | None:
 
 def _deepspeed_damage(path: Path) -> str | None:
     try:
-        files = _manifest(path)["files"]
+        files = read_manifest(path)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{path / DEEPSPEED_MANIFEST} is unreadable ({type(e).__name__})"
     for name, size in sorted(files.items()):
@@ -159,8 +166,9 @@ def _deepspeed_damage(path: Path) -> str | None:
     return None
 
 
-def _manifest(path: Path) -> dict:
-    return json.loads(read_bounded_text(path / DEEPSPEED_MANIFEST, MANIFEST_BYTES, "a checkpoint's manifest"))
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The DeepSpeed manifest of one iteration directory (a bounded read of a regular file)."""
+    return json.loads(read_bounded_text(Path(path) / DEEPSPEED_MANIFEST, MANIFEST_BYTES, "a checkpoint's manifest"))
 
 
 def engine_of(path: str | os.PathLike) -> str:
@@ -221,15 +229,12 @@ def hold_writer_lock(root: str | os.PathLike):
     restart of the same job (measured). A record lock belongs to this process only."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    try:  # created if missing; never through a link, never a FIFO (path_rules.open_regular)
-        handle = os.fdopen(open_regular(root / WRITER_LOCK, os.O_RDWR | os.O_CREAT), "r+")
-    except PathRefused as e:
-        raise PathRefused(f"{e}. Fix: remove it, or save elsewhere.") from None
+    handle = _open_lock(root, os.O_RDWR | os.O_CREAT, "r+")  # created if missing
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # EACCES or EAGAIN: another process holds it
         handle.seek(0)
-        holder = _holder(handle.read(POINTER_BYTES * 4))
+        holder = _holder(handle.read(LOCK_BYTES))
         handle.close()
         raise CheckpointError(busy_message(root, holder)) from None
     handle.seek(0)
@@ -237,6 +242,15 @@ def hold_writer_lock(root: str | os.PathLike):
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     handle.flush()
     return handle
+
+
+def _open_lock(root: Path, flags: int, mode: str):
+    """The root's writer lock file, opened never through a link and never on a FIFO
+    (path_rules.open_regular); PathRefused says what it is and how to go on."""
+    try:
+        return os.fdopen(open_regular(root / WRITER_LOCK, flags), mode)
+    except PathRefused as e:
+        raise PathRefused(f"{e}. Fix: remove it, or save elsewhere.") from None
 
 
 def _holder(text: str) -> str:
@@ -258,14 +272,14 @@ def writer_problem(root: str | os.PathLike) -> str | None:
     if not os.path.lexists(path):
         return None
     try:
-        handle = os.fdopen(open_regular(path), "r")
+        handle = _open_lock(Path(root), os.O_RDONLY, "r")
     except PathRefused as e:
-        return f"{e}. Fix: remove it, or save elsewhere."
+        return str(e)
     with handle:
         try:
             fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            return busy_message(root, _holder(handle.read(POINTER_BYTES * 4)))
+            return busy_message(root, _holder(handle.read(LOCK_BYTES)))
         fcntl.lockf(handle, fcntl.LOCK_UN)
     return None
 
@@ -275,7 +289,7 @@ def read_common(path: str | os.PathLike, trust: bool | None = None) -> dict:
     (`common.pt` is a torch pickle: read through the allowlist unless `trust`)."""
     manifest = Path(path) / DEEPSPEED_MANIFEST
     if manifest.is_file():  # DeepSpeed's own files are beside a JSON manifest of ours
-        return _manifest(Path(path))["common"]
+        return read_manifest(path)["common"]
     return load_torch_file(Path(path) / "common.pt", trust=trust)["common"]
 
 

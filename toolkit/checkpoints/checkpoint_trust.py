@@ -205,9 +205,10 @@ def _fill_storage_meta(metadata, load_id=None):
 
 
 def refuse_pickled_code(iteration_dir: str | os.PathLike, trust: bool | None = None) -> None:
-    """Refuse an entry that is not a regular file (PathRefused), then read every pickled record of one checkpoint directory through the allowlist before
-    any upstream reader touches it; raises UntrustedCheckpointFile naming the first file
-    that needs more. Tensors are memory-mapped, not read, so this stays cheap."""
+    """Refuse an entry that is not a regular file or a directory (PathRefused), then read
+    every pickled record of one checkpoint directory through the allowlist before any
+    upstream reader touches it; raises UntrustedCheckpointFile naming the first file that
+    needs more. Tensors are memory-mapped, not read, so this stays cheap."""
     path = Path(iteration_dir)
     problem = tree_problem(path)  # no link, FIFO or device is opened, trusted or not
     if problem:

@@ -16,8 +16,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from ..atomic_io import write_text_atomic
-from ..checkpoints.checkpoint_dir import LATEST, POINTER_BYTES, iteration_name, iterations, step_of
-from ..path_rules import read_bounded_text
+from ..checkpoints.checkpoint_dir import LATEST, iteration_name, iterations, latest_name, step_of
 from ..planning.disk_space import DiskFull, is_disk_full, no_space_message
 
 
@@ -70,8 +69,8 @@ def remove_older(root: Path, keep_last: int) -> list[Path]:
     link (`iterations` lists real directories only). The new checkpoint is published
     before this runs, so a removal that fails is said in one line naming the path, and
     training goes on."""
-    kept = read_bounded_text(root / LATEST, POINTER_BYTES, "the name of one iteration").strip()
-    before = [p for p in iterations(root) if step_of(p) < step_of(kept)]
+    kept = step_of(latest_name(root))
+    before = [p for p in iterations(root) if step_of(p) < kept]
     gone = before[: max(0, len(before) - (keep_last - 1))]
     for path in gone:
         try:

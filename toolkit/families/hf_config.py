@@ -38,14 +38,14 @@ CONFIG_BYTES = 1 << 20  # a model's config.json is a few kB
 def raw_hf_config(hf_dir: str | Path) -> dict:
     """config.json as written (a small regular file of the folder; never a link out, a FIFO
     or a device), its model type one gridwright supports."""
-    from ..path_rules import PathRefused, model_folder_file, read_bounded_text, what_is
+    from ..path_rules import PathRefused, model_folder_file, read_bounded_text
 
     path = Path(hf_dir) / "config.json"
-    if what_is(path) == "nothing":
-        raise UnsupportedModel(f"{path} does not exist: a Hugging Face model folder holds config.json.")
     try:
         raw = json.loads(read_bounded_text(model_folder_file(hf_dir, "config.json"), CONFIG_BYTES, "a model's config",
                                            follow=True))
+    except FileNotFoundError:
+        raise UnsupportedModel(f"{path} does not exist: a Hugging Face model folder holds config.json.") from None
     except PathRefused as e:
         raise UnsupportedModel(str(e)) from None
     except json.JSONDecodeError as e:

@@ -20,6 +20,15 @@ def no_inherited_mlflow_run(monkeypatch):
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def torch_readers_as_torch_defines_them():
+    """A command's main called in-process (convert's, in test_convert) guards `torch.load`
+    for the whole process: the tests after it in this worker start with torch's own readers."""
+    yield
+    if "gridwright.checkpoints.checkpoint_trust" in sys.modules:
+        sys.modules["gridwright.checkpoints.checkpoint_trust"].unguard_process()
+
+
 @pytest.fixture
 def compose():
     from gridwright.config.compose import compose_config
@@ -39,6 +48,28 @@ def launch(args: list[str], cwd: Path, timeout: int = 300, **extra_env: str) -> 
         [sys.executable, str(REPO / "launch.py"), *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )
+
+
+def run_torchrun_job(tmp: Path, *overrides: str, before_run=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Plan a torchrun job with `launch.py` (tracking off) and run the line it emits, as a
+    node would; `before_run` changes the files between the two. A free port is free when
+    chosen, not when torchrun binds it seconds later: on EADDRINUSE the job is planned again."""
+    from gridwright.runtime.loopback import free_port
+
+    for attempt in range(3):
+        job = tmp / f"torchrun_job{attempt}"
+        planned = launch(["tracking=off", f"job_root={tmp / 'jobs'}", "train.warmup_steps=1", *overrides,
+                          "launcher=torchrun", "launcher.master_addr=127.0.0.1",
+                          f"launcher.master_port={free_port()}", f"job_dir={job}"], tmp)
+        assert planned.returncode == 0, planned.stderr[-2000:]
+        if before_run is not None and attempt == 0:
+            before_run()
+        line = (job / "torchrun_commands.sh").read_text().strip().splitlines()[-1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        result = subprocess.run(["bash", "-c", line], cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        if "EADDRINUSE" not in result.stderr:
+            break
+    return result
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from checkpoint_payloads import Payload, env_without_mlflow, latest
-from conftest import REPO, kill_process_tree
+from conftest import REPO, kill_process_tree, run_torchrun_job
 
 pytestmark = pytest.mark.slow  # trains one checkpoint, converts, and runs a job to stop its agent
 
@@ -353,17 +353,10 @@ def test_a_link_planted_as_a_coming_save_is_unlinked_and_training_goes_on(victim
 def test_the_workers_own_resume_refuses_a_fifo_latest_in_one_line(saved, tmp_path):
     """A torchrun job has no pre-start check on the launching machine: the workers read
     `latest` themselves, and refuse it without blocking."""
-    from gridwright.runtime.loopback import free_port
-
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)
-    job = tmp_path / "job"
-    planned = launch(tmp_path, "train.steps=4", f"checkpoint.load={ck}", "launcher=torchrun",
-                     "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}", f"job_dir={job}")
-    assert planned.returncode == 0, planned.stderr[-2000:]
-    _latest_fifo(ck, None)
-    line = (job / "torchrun_commands.sh").read_text().strip().splitlines()[-1]
-    result = run(["bash", "-c", line], tmp_path, timeout=120)
+    result = run_torchrun_job(tmp_path, "train.steps=4", f"checkpoint.load={ck}",
+                              before_run=lambda: _latest_fifo(ck, None), timeout=120)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     refusals = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
     assert refusals == [f"error: {ck / 'latest'} is a FIFO, not a regular file: refused. "

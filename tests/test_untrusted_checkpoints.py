@@ -24,7 +24,7 @@ from checkpoint_payloads import (
     plant_in_te_extra_state,
     plant_in_torch_file,
 )
-from conftest import REPO
+from conftest import REPO, run_torchrun_job
 
 from gridwright.checkpoints.checkpoint_trust import (
     CITED,
@@ -32,7 +32,6 @@ from gridwright.checkpoints.checkpoint_trust import (
     load_torch_file,
     read_dcp_metadata,
 )
-from gridwright.runtime.loopback import free_port
 
 
 def run(args: list[str], cwd: Path, timeout=300) -> subprocess.CompletedProcess:
@@ -104,12 +103,7 @@ def test_a_planted_payload_never_runs_and_each_reader_refuses(plant, saved, tmp_
     refused_in_one_line(launch(tmp_path, *engine, "train.steps=4", f"checkpoint.load={ck}"), planted)
     assert not (tmp_path / "jobs").exists()
     # The workers' own load (a torchrun job: no pre-start check on the launching machine).
-    job = tmp_path / "torchrun_job"
-    planned = launch(tmp_path, *engine, "train.steps=4", f"checkpoint.load={ck}", "launcher=torchrun",
-                     "launcher.master_addr=127.0.0.1", f"launcher.master_port={free_port()}", f"job_dir={job}")
-    assert planned.returncode == 0, planned.stderr[-2000:]
-    line = (job / "torchrun_commands.sh").read_text().strip().splitlines()[-1]
-    refused_in_one_line(run(["bash", "-c", line], tmp_path), planted)
+    refused_in_one_line(run_torchrun_job(tmp_path, *engine, "train.steps=4", f"checkpoint.load={ck}"), planted)
     # Every conversion that reads this kind of checkpoint.
     if kind == "megatron":
         directions = [["megatron-to-hf", "--megatron", str(ck)]]

@@ -354,7 +354,26 @@ def guard_process(trust: bool = False) -> None:
             metadata = _MetadataUnpickler(f, str(where)).load()
         return _fill_storage_meta(metadata, self.load_id)
 
+    read_metadata._unguarded = filesystem.FileSystemReader.read_metadata
     filesystem.FileSystemReader.read_metadata = read_metadata
+
+
+def unguard_process() -> None:
+    """Undo guard_process: torch's own `torch.load` and DCP metadata reader again. For a
+    process that calls a command's `main` in-process and goes on (the test suite)."""
+    global _PROCESS_TRUSTS
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(torch.load, "_unguarded", None) is None:
+        return
+    from torch.distributed.checkpoint import filesystem
+
+    torch.load = torch.load._unguarded
+    reader = filesystem.FileSystemReader
+    reader.read_metadata = getattr(reader.read_metadata, "_unguarded", reader.read_metadata)
+    _PROCESS_TRUSTS = False
+    os.environ.pop(TRUST_ENV, None)
 
 
 def inherited_trust() -> bool:

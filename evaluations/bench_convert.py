@@ -9,7 +9,7 @@ peak RSS (ru_maxrss). MB/s is the bf16 checkpoint size divided by the conversion
 time (imports excluded, the final rename included). The last step checks the round trip
 bit for bit. With `--train`, the converted checkpoint is first trained from by
 `launch.py` with the given overrides (e.g. on GPUs at TP=2), and the run's losses and
-throughput are reported too. Results: a table on stdout, and evaluations/results/bench_convert_<time>.{md,json}.
+throughput are reported too. Results: a table on stdout, and evaluations/results/bench_convert_<card>.{md,json} (replacing the last call's).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from gridwright.evaluations.results_file import card_of_this_machine, write_json, write_markdown
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", vocab_size=128256,
@@ -178,8 +180,6 @@ def main() -> None:
     print(table)
     print(f"round trip bit-exact: {exact}   machine: {machine}")
     if not args.no_save:
-        stamp = time.strftime("%Y%m%d-%H%M")
-        args.out.mkdir(parents=True, exist_ok=True)
         cmd = "python -m gridwright.evaluations.bench_convert" + (f" --layers {args.layers}" if args.layers != 32 else "")
         if args.train:
             cmd += f" --train {shlex.quote(args.train)}"
@@ -188,16 +188,15 @@ def main() -> None:
                       f"{trained['steps']} steps, loss {trained['first_loss']:.3f} -> {trained['last_loss']:.3f}, "
                       f"{trained['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {trained['mfu']:.1%}, "
                       f"peak memory {trained['memory_gib']:.1f} GiB/GPU (steps after the first averaged).")
-        (args.out / f"bench_convert_{stamp}.md").write_text(
-            f"# Checkpoint conversion, Llama-3-8B shape ({args.layers} layers, bf16, random)\n\n"
-            f"Command: `{cmd}`  \nMachine: {machine} (conversion runs on the CPU)\n\n{table}\n\n"
-            f"Round trip (HF -> Megatron-Core -> HF) bit-exact: {exact}\n\n"
-            "Each source was written just before it was converted, so its reads may partly come from the "
-            "page cache: MB/s measures the conversion, not a cold disk.\n"
-        )
-        (args.out / f"bench_convert_{stamp}.json").write_text(
-            json.dumps({"layers": args.layers, "machine": machine, "rows": rows, "bit_exact": exact, "trained": trained},
-                       indent=2) + "\n")
+        here = card_of_this_machine()
+        write_markdown(args.out, "bench_convert", here, cmd,
+                       f"Llama-3-8B shape ({args.layers} layers, bf16, random). Machine: {machine} (conversion runs "
+                       f"on the CPU)\n\n{table}\n\nRound trip (HF -> Megatron-Core -> HF) bit-exact: {exact}\n\n"
+                       "Each source was written just before it was converted, so its reads may partly come from the "
+                       "page cache: MB/s measures the conversion, not a cold disk.",
+                       title="Checkpoint conversion")
+        write_json(args.out, "bench_convert", here,
+                   {"layers": args.layers, "machine": machine, "rows": rows, "bit_exact": exact, "trained": trained})
     if exact is False:
         sys.exit(1)
 

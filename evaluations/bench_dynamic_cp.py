@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gridwright.evaluations.results_file import stamp_now, write_markdown
+from gridwright.evaluations.results_file import write_markdown
 
 
 def _simulate(name: str, ranks: int, args, queue) -> None:
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--schedulers", nargs="+", default=["megatron", "gridwright"])
     ap.add_argument("--limit-s", type=float, default=300.0, help="give up on a size after this long")
-    ap.add_argument("--out", type=Path, help="also write the table as a dated results file into this folder")
+    ap.add_argument("--out", type=Path, help="also write the table into this folder (bench_dynamic_cp_cpu.md, replacing the last call's)")
     args = ap.parse_args()
     head = ("| scheduler | DP ranks | documents | tokens | schedule s | imbalance (max/mean) | groups | aligned "
             "| documents by CP size |")
@@ -88,8 +88,8 @@ def main() -> None:
         text = (f"{args.tokens_per_rank:,} tokens per rank a step, rows of {args.row:,}, lognormal lengths "
                 f"(median 1,024, sigma 1.5), max_seqlen_per_rank {args.max_seqlen_per_rank:,}; one process of this "
                 "machine.\n\n" + "\n".join(lines))
-        write_markdown(args.out, "bench_dynamic_cp", "python -m gridwright.evaluations.bench_dynamic_cp "
-                       + " ".join(sys.argv[1:]), text, stamp_now())
+        write_markdown(args.out, "bench_dynamic_cp", "cpu", "python -m gridwright.evaluations.bench_dynamic_cp "
+                       + " ".join(sys.argv[1:]), text)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gridwright.evaluations.results_file import stamp_now, write_markdown
+from gridwright.evaluations.results_file import card_of_this_machine, write_json, write_markdown
 from gridwright.evaluations.same_weights import write_same_weights
 from gridwright.runtime.jobdir import read_metrics
 
@@ -490,7 +490,7 @@ def main() -> None:
     card = torch.cuda.get_device_name(0)
     jobs = args.jobs or Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     weights = write_same_weights(jobs, BENCH_2GPU) if args.same_weights else None
-    rows, stamp = [], stamp_now()
+    rows = []
     cases = []
     for name, (gpus, overrides) in SUITES[args.suite].items():
         if args.only and name not in args.only:
@@ -507,13 +507,13 @@ def main() -> None:
             rows += list(pool.map(lambda c: run_case(*c[1], jobs, device_overrides(), gpu=c[0],
                                                      side_by_side=len(batch) == 2, timeout=args.case_timeout),
                                   enumerate(batch)))
-        write_results(args.out, stamp, rows, card, n)
+        write_results(args.out, args.suite, rows, card, n)
     for name, gpus, overrides in cases:
         if (name, gpus, overrides) in ones:
             continue
         rows.append(run_case(name, gpus, overrides, jobs, device_overrides(), timeout=args.case_timeout))
-        write_results(args.out, stamp, rows, card, n)  # after every case: a cut-short call keeps the rest
-    print(write_results(args.out, stamp, rows, card, n), flush=True)
+        write_results(args.out, args.suite, rows, card, n)  # after every case: a cut-short call keeps the rest
+    print(write_results(args.out, args.suite, rows, card, n), flush=True)
 
 
 def te_version() -> str:
@@ -525,12 +525,14 @@ def te_version() -> str:
     return f", Transformer Engine {transformer_engine.__version__}"
 
 
-def write_results(out: Path, stamp: str, rows: list[dict], card: str, n: int) -> str:
+def write_results(out: Path, suite: str, rows: list[dict], card: str, n: int) -> str:
+    """Replace this suite's results file for this card (`bench_gpu_<suite>_<N>x<model>`)."""
     import torch
 
     text = table(rows, f"{n} x {card}, torch {torch.__version__}{te_version()}")
-    write_markdown(out, "bench_gpu", "python -m gridwright.evaluations.bench_gpu " + " ".join(sys.argv[1:]), text, stamp)
-    (out / f"bench_gpu_{stamp}.json").write_text(json.dumps({"card": card, "gpus": n, "rows": rows}, indent=1))
+    benchmark, here = f"bench_gpu_{suite}", card_of_this_machine()
+    write_markdown(out, benchmark, here, "python -m gridwright.evaluations.bench_gpu " + " ".join(sys.argv[1:]), text)
+    write_json(out, benchmark, here, {"card": card, "gpus": n, "rows": rows})
     return text
 
 

@@ -11,7 +11,6 @@ timed beside them: it is what a plan used to pay. Writes a table under evaluatio
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import statistics
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.evaluations.results_file import write_json, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evaluations" / "results"
@@ -92,11 +91,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({'met' if mixtral < GOAL_S else 'NOT met'})."]
     text = "\n".join(lines) + "\n"
     print(text)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    write_text_atomic(RESULTS / f"bench_plan_{stamp}.md", text)
-    write_text_atomic(RESULTS / f"bench_plan_{stamp}.json", json.dumps({"rows": rows, "repeats": args.repeats,
-                                                                         "import_torch_s": torch_times}, indent=1))
-    print(f"wrote {RESULTS / f'bench_plan_{stamp}.md'}")
+    path = write_markdown(RESULTS, "bench_plan", "cpu", "python -m gridwright.evaluations.bench_plan "
+                          + " ".join(sys.argv[1:]), text)
+    write_json(RESULTS, "bench_plan", "cpu", {"rows": rows, "repeats": args.repeats, "import_torch_s": torch_times})
+    print(f"wrote {path}")
     return 0
 
 

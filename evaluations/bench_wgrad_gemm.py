@@ -100,14 +100,14 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("error: bench_wgrad_gemm measures CUDA GEMMs; no GPU is visible", file=sys.stderr)
         sys.exit(2)
-    from .results_file import write_markdown
+    from .results_file import card_of_this_machine, write_markdown
 
     rows = [measure(name, *shape, args.tokens) for name, shape in SHAPES.items()]
     card = torch.cuda.get_device_name(0)
     text = (f"GPU: {card}, torch {torch.__version__}; {args.tokens} tokens. Time per GEMM (and add), mean of 20 "
             "after 3 warm-ups; error: relative to fp32 arithmetic on the same operands.\n\n" + table(rows))
-    path = write_markdown(args.out, f"bench_wgrad_gemm_1x{card.split()[-1].lower()}", " ".join(["python -m",
-                          "gridwright.evaluations.bench_wgrad_gemm"] + sys.argv[1:]), text, title="bench_wgrad_gemm")
+    path = write_markdown(args.out, "bench_wgrad_gemm", card_of_this_machine(), " ".join(["python -m",
+                          "gridwright.evaluations.bench_wgrad_gemm"] + sys.argv[1:]), text)
     print(path.read_text())
 
 

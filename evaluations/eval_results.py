@@ -5,7 +5,7 @@ measurement, memory estimate vs peak.
 
 Reads the sweep's points (summary.json, whose means leave out the warm-up and traced
 steps; communication.json; plan.json); writes
-`eval_sweep_<time>.md` beside the other results. Measured communication per group is
+`eval_sweep_<card>.md` beside the other results (replacing the last call's). Measured communication per group is
 NCCL kernel time from the traces; `wait` is the part spent before the last member of the
 communicator arrived (skew), so `transfer` = measured - wait is what the alpha-beta
 prediction models.
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from gridwright.runtime.jobdir import CONFIG_FILE, PLAN_FILE, SUMMARY_FILE, load_job_config, read_json
 from gridwright.tracking.sweep import SweepRecord
-from gridwright.evaluations.results_file import write_markdown
+from gridwright.evaluations.results_file import card_of_this_machine, write_markdown
 from gridwright.analysis.trace_analysis import COMMUNICATION_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,11 +107,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep_dir", type=Path)
     ap.add_argument("--out", type=Path, default=REPO / "evaluations" / "results")
+    ap.add_argument("--card", help="the machine the sweep ran on, as `2xh100` (default: this one's)")
     args = ap.parse_args()
     text = tables(args.sweep_dir)
     print(text)
-    write_markdown(args.out, "eval_sweep", "python -m gridwright.evaluations.eval_results SWEEP_DIR",
-                   f"Sweep: `{args.sweep_dir.name}`\n\n{text}", title="Evaluation sweep")
+    write_markdown(args.out, "eval_sweep", args.card or card_of_this_machine(),
+                   "python -m gridwright.evaluations.eval_results SWEEP_DIR", f"Sweep: `{args.sweep_dir.name}`\n\n{text}",
+                   title="Evaluation sweep")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from gridwright.config.schema import TrainConfig
-from gridwright.evaluations.results_file import write_markdown
+from gridwright.evaluations.results_file import card_of_this_machine, write_markdown
 from gridwright.runtime.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,8 +73,9 @@ def main() -> None:
         results |= run_wave(runs[wave:wave + slots], args, card, jobs)
     text = report(precisions, results, args, card, torch.__version__)
     print(text, flush=True)
-    write_markdown(args.out, "fp8_loss_check", "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]),
-                   text)
+    benchmark = "fp8_loss_check" + ("_te" if args.layer_spec == "transformer_engine" else "")
+    write_markdown(args.out, benchmark, card_of_this_machine(),
+                   "python -m gridwright.evaluations.fp8_loss_check " + " ".join(sys.argv[1:]), text)
 
 
 LAYER_WORDS = {"torch_native": "compiled torch-native layers",

@@ -16,6 +16,8 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from gridwright.evaluations.results_file import card_of_this_machine, write_markdown
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = "gpu_tier"
 
@@ -27,13 +29,6 @@ def machine() -> str:
 
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     return f"{torch.cuda.device_count()} x {card}, torch {torch.__version__}{te_version() or ', no Transformer Engine'}"
-
-
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           capture_output=True, text=True).stdout.strip()
-    return (done.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
 
 
 def gpu_test_files() -> list[str]:
@@ -94,12 +89,10 @@ def main() -> int:
     passed = sum(r[1] == "passed" for r in rows)
     verdict = "passed" if rows and passed == len(rows) else "FAILED"
     gpu = machine()
-    text = (f"GPU: {gpu}\n\nCode: {commit()}\n\n**{verdict}**: {passed} of {len(rows)} passed "
+    text = (f"GPU: {gpu}\n\n**{verdict}**: {passed} of {len(rows)} passed "
             "(a skip counts as a failure here).\n\n" + table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
-    card = gpu.split(",")[0].replace(" x NVIDIA ", "x").replace(" ", "").lower()
-    path = args.out / f"{NAME}_{card}.md"
-    path.write_text(f"# The GPU test tier\n\nCommand: `python -m gridwright.evaluations.gpu_tier`\n\n{text}\n")
+    path = write_markdown(args.out, NAME, card_of_this_machine(), "python -m gridwright.evaluations.gpu_tier", text,
+                          title="The GPU test tier")
     print(text, f"\nwritten: {path}", sep="\n", flush=True)
     return 0 if verdict == "passed" else 1
 

@@ -17,13 +17,13 @@ Both runs are real `launch.py` runs with `evaluate.profile_steps`; results go to
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from gridwright.evaluations.results_file import card_of_this_machine, write_json, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 AB_BASE = ["tracking=off", "+experiment=eval_dp2", "train.global_batch_size=4", "train.steps=12",
@@ -100,15 +100,12 @@ def main() -> None:
         f"{max(closure(off), closure(on)):.2%} (goal: within 5 %).",
     ])
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    base = f"validate_traces_{args.engine}_{stamp}" if args.engine != "megatron" else f"validate_traces_{stamp}"
-    (args.out / f"{base}.md").write_text(
-        f"# Trace analysis validation ({args.engine}), {stamp}\n\nCommand: `python -m gridwright.evaluations."
-        f"validate_trace_analysis --engine {args.engine}`\n\n{text}\n")
-    (args.out / f"{base}.json").write_text(json.dumps(
-        {"engine": args.engine, "d_step_s": d_step, "d_exposed_s": d_exposed, "agreement": agreement,
-         "cases": {k: {"mean": v["mean"], "max_closure_error": closure(v)} for k, v in docs.items()}}, indent=1))
+    benchmark, here = f"validate_traces_{args.engine}", card_of_this_machine()
+    write_markdown(args.out, benchmark, here, "python -m gridwright.evaluations.validate_trace_analysis --engine "
+                   f"{args.engine}", text, title=f"Trace analysis validation ({args.engine})")
+    write_json(args.out, benchmark, here,
+               {"engine": args.engine, "d_step_s": d_step, "d_exposed_s": d_exposed, "agreement": agreement,
+                "cases": {k: {"mean": v["mean"], "max_closure_error": closure(v)} for k, v in docs.items()}})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from gridwright.evaluations.bench_gpu import COMMON, VARLEN_BASE, device_overrides
-from gridwright.evaluations.results_file import write_markdown
+from gridwright.evaluations.results_file import card_of_this_machine, write_markdown
 from gridwright.runtime.jobdir import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def main() -> None:
         "dynamic, gridwright": dynamic + ["parallel.cp_scheduler=gridwright"],
     }
     jobs = Path(tempfile.mkdtemp(prefix="varlen_loss_"))
-    curves, speed, stamp = {}, {}, None
+    curves, speed = {}, {}
     for i, (name, overrides) in enumerate(layouts.items()):
         job = jobs / f"layout{i}"
         cmd = [sys.executable, "-m", "gridwright", *COMMON, *base, *overrides, *device_overrides(), f"job_dir={job}"]
@@ -54,15 +54,12 @@ def main() -> None:
         history = read_metrics(job)
         curves[name] = [h["loss"] for h in history]
         speed[name] = sum(h["tokens_per_s_per_gpu"] for h in history[1:]) / max(1, len(history) - 1)
-        stamp = write_table(args, n, curves, speed, stamp)  # after every layout: a cut-short call keeps the rest
+        write_table(args, n, curves, speed)  # after every layout: a cut-short call keeps the rest
 
 
-def write_table(args, n: int, curves: dict, speed: dict, stamp) -> str:
+def write_table(args, n: int, curves: dict, speed: dict) -> None:
     import torch
 
-    from gridwright.evaluations.results_file import stamp_now
-
-    stamp = stamp or stamp_now()
     reference = curves.get(f"static CP={n}")
     marks = list(range(0, args.steps, 5)) + [args.steps - 1]
     lines = [f"GPU: {n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; bench model, rows of 32k, "
@@ -76,9 +73,8 @@ def write_table(args, n: int, curves: dict, speed: dict, stamp) -> str:
                      + f" | {'' if diff is None else f'{diff:.2e}'} |")
     text = "\n".join(lines)
     print(text, flush=True)
-    write_markdown(args.out, "varlen_loss_check", "python -m gridwright.evaluations.varlen_loss_check "
-                   + " ".join(sys.argv[1:]), text, stamp)
-    return stamp
+    write_markdown(args.out, "varlen_loss_check", card_of_this_machine(), "python -m gridwright.evaluations."
+                   "varlen_loss_check " + " ".join(sys.argv[1:]), text)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@
 For each tiny random model (gridwright.adapters.tiny_models): convert Hugging Face ->
 Megatron-Core, compare logits (transformers in fp32 on CPU against Megatron-Core in
 TP x PP x EP gloo processes) at each layout, and check that converting back gives the
-same bits. Prints a table and writes evaluations/results/verify_conversions_<time>.{md,json}.
+same bits. Prints a table and writes evaluations/results/verify_conversions_cpu.{md,json}.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from gridwright.adapters.convert import hf_to_megatron, megatron_to_hf
 from gridwright.adapters.hf_files import SafetensorsSource
 from gridwright.adapters.tiny_models import ARCHITECTURES, has_experts, make_tiny_model
 from gridwright.adapters.verify_logits import compare_logits
+from gridwright.evaluations.results_file import write_json, write_markdown
 
 # (TP, PP, VPP, EP): every model at these; EP only where there are experts.
 LAYOUTS = [(1, 1, None, 1), (2, 1, None, 1), (1, 2, None, 1), (1, 2, 2, 1), (2, 2, None, 1)]
@@ -66,16 +66,13 @@ def main() -> None:
     print(f"\nworst max |diff| {worst:.2e} (gate: 1e-4); all round trips bit-exact: "
           f"{all(r['round_trip_bit_exact'] for r in rows)}")
     if not args.no_save:
-        stamp = time.strftime("%Y%m%d-%H%M")
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"verify_conversions_{stamp}.md").write_text(
-            "# Logits of converted checkpoints: Hugging Face vs Megatron-Core\n\n"
-            "Command: `python -m gridwright.evaluations.verify_conversions`  \n"
+        write_markdown(
+            RESULTS, "verify_conversions", "cpu", "python -m gridwright.evaluations.verify_conversions",
             "CPU, fp32, gloo; tokens: batch 2 x sequence 16 x TP (random, seed 0). Tiny random models from "
             "`gridwright.adapters.tiny_models` (hidden 64, 4 layers, 4 heads, vocab 128; weights N(0, 0.08)). "
-            "SP is on wherever TP > 1.\n\n" + table + f"\n\nWorst max |diff|: {worst:.2e} (gate 1e-4).\n"
-        )
-        (RESULTS / f"verify_conversions_{stamp}.json").write_text(json.dumps(rows, indent=2) + "\n")
+            "SP is on wherever TP > 1.\n\n" + table + f"\n\nWorst max |diff|: {worst:.2e} (gate 1e-4).",
+            title="Logits of converted checkpoints: Hugging Face vs Megatron-Core")
+        write_json(RESULTS, "verify_conversions", "cpu", rows)
 
 
 if __name__ == "__main__":

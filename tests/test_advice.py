@@ -414,7 +414,7 @@ def test_te_delayed_scaling_is_told_of_the_float8_output_layer_where_te_is_insta
     overrides = GPU2 + ["precision=fp8_delayed"]
     notes = speed_notes(compose_config(overrides))
     assert len(notes) == 1 and "measured faster for this layout: precision.fp8_output_layer=true. " in notes[0], notes
-    assert "bench_gpu_1xh200_20261202-0706.md" in notes[0]
+    assert "bench_gpu_te_1xh200.md" in notes[0]
     followed = compose_config(overrides + ["precision.fp8_output_layer=true"])
     validate(followed, for_launch=False)
     assert speed_notes(followed) == []

@@ -580,7 +580,7 @@ def fp8_without_te(precision) -> str:
 TORCHAO_MISSING = "precision.fp8_backend=torchao needs torchao, which is not installed here: pip install torchao."
 
 
-# Measured on 2 x H200 (evaluations/results/bench_gpu_20261127-1530.md): both compiled TP=2+SP
+# Measured on 2 x H200 (bench_gpu_20261127-1530.md, evaluations/results at 8871d16): both compiled TP=2+SP
 # runs through Megatron-Core's tensor-parallel linear function and its SP communication
 # (linear_with_grad_accumulation_and_async_allreduce, the sequence-parallel mappings) did
 # not learn: mean loss of the last 10 of 14 steps 10.48, where the uncompiled run had 8.88.

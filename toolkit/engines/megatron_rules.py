@@ -15,24 +15,25 @@ CAPABILITIES = Capabilities(models_communication=True, grads_reduced_in_fp32=Tru
 TP_SP_RECIPE = Recipe(
     (("engine.compile_layers", True), ("engine.tp_comm_overlap", True), ("engine.cuda_graphs", "layers")),
     "TP=2+SP of the bench model ran 40.6 % MFU with them against 33.3 % eager, and the Llama-3-8B shape "
-    "43.6 % (2 x H200, evaluations/results/bench_gpu_2xh200_20261128-2041.md); async TP without "
+    "43.6 % (2 x H200, evaluations/results/bench_gpu_performance_2xh200.md); async TP without "
     "CUDA graphs was slower than eager there")
 CP_RECIPE = Recipe(
     (("parallel.cp_comm_type", "a2a"),),
     "CP=2 of the bench model ran 36.9 % MFU by all-to-all against 33.3 % by all-gather in one call "
-    "(2 x H200, evaluations/results/bench_gpu_2xh200_20261128-2016.md)")
-# Measured on 1 x H200 (docs/performance.md, "Fewer launches, and FP8 where the GEMMs are").
+    "(2 x H200, bench_gpu_2xh200_20261128-2016.md, evaluations/results at commit 8871d16)")
+# Measured on 1 x H200 (docs/performance.md, "FP8's loss on real text").
 FP8_OUTPUT_RECIPE = Recipe(
     (("precision.fp8_output_layer", True),),
     "the Llama-3-8B shape (16 layers) ran 1.29x bf16 with it against 1.24x without (1 x H200, "
-    "evaluations/results/bench_gpu_1xh200_20261129-0023.md), and over four seeds of 300 steps on real text "
-    "its final loss was 0.90 % above bf16 on average against 3.31 % without (docs/performance.md)")
+    "bench_gpu_1xh200_20261129-0023.md, evaluations/results at commit 8871d16), and over four seeds of 300 steps on real text "
+    "its final loss was 0.90 % above bf16 on average against 3.31 % without (docs/performance.md at commit "
+    "8871d16)")
 
 TE_FP8_OUTPUT_RECIPE = Recipe(
     (("precision.fp8_output_layer", True),),
     "under Transformer Engine's delayed scaling the Llama-3-8B shape (16 layers) ran 1.46x the compiled "
     "torch-native bf16 with it against 1.39x without, in one call (1 x H200, "
-    "evaluations/results/bench_gpu_1xh200_20261202-0706.md); its loss under TE was not measured")
+    "evaluations/results/bench_gpu_te_1xh200.md); its loss under TE was not measured")
 
 
 def measured_recipes(cfg, layout) -> list[Recipe]:
@@ -87,8 +88,8 @@ def zero_settings(zero, cluster) -> None:
     return None
 
 
-# Measured on 1 x H200 (evaluations/results/bench_gpu_1xh200_20261129-0815.md and the same
-# bench shape's ZeRO rows in -0751): Megatron-FSDP over one data-parallel rank, 8 micro-batches
+# Measured on 1 x H200 (bench_gpu_1xh200_20261129-0815.md and the same bench shape's ZeRO
+# rows in -0751, evaluations/results at commit 8871d16): Megatron-FSDP over one data-parallel rank, 8 micro-batches
 # a step, ended 14 steps at a mean loss of 10.16 for the last 10, where DeepSpeed ZeRO-1 and
 # ZeRO-3 ended at 8.82; with one micro-batch a step it followed the distributed optimizer
 # within 0.03. Over two ranks (4 micro-batches each) it learned (2 x H200, 11-27). Cause not

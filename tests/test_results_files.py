@@ -1,0 +1,56 @@
+"""evaluations/results holds one current file per benchmark and card, listed in its README;
+a benchmark's new call replaces its file."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import REPO
+
+from gridwright.evaluations.results_file import results_path, write_json, write_markdown
+
+RESULTS = REPO / "evaluations" / "results"
+# Each script's benchmark names (bench_gpu: one per suite), and the hand-made comparisons.
+BENCHMARKS = {
+    *(f"bench_gpu_{suite}" for suite in ("performance", "engines", "zero_speed", "varlen", "varlen_2gpu", "te", "all")),
+    "bench_wgrad_gemm", "bench_convert", "bench_plan", "bench_dynamic_cp", "verify_conversions", "gpu_tier",
+    "fp8_loss_check", "fp8_loss_check_te", "varlen_loss_check", "eval_sweep", "validate_traces_megatron",
+    "validate_traces_deepspeed", "comm_profile",
+    "engines_same_weights", "host_bound", "host_path_ab", "stop_check",  # hand-made from benchmark calls
+}
+NAME = re.compile(r"(?P<benchmark>[a-z0-9_]+?)_(?P<card>cpu|\d+x[a-z0-9]+)\.(?P<suffix>md|json)")
+
+
+def test_one_current_file_per_benchmark_and_card():
+    seen = {}
+    for path in sorted(RESULTS.iterdir()):
+        if path.name == "README.md":
+            continue
+        parsed = [m for m in (NAME.fullmatch(path.name),) if m and m["benchmark"] in BENCHMARKS]
+        assert parsed, f"{path.name} is not <benchmark>_<card>.md|json of a known benchmark (a dated name?)"
+        key = (parsed[0]["benchmark"], parsed[0]["card"], parsed[0]["suffix"])
+        assert key not in seen, f"{path.name} and {seen[key]}: two files of one benchmark and card"
+        seen[key] = path.name
+
+
+def test_the_results_readme_lists_exactly_the_files_present():
+    listed = set(re.findall(r"^\| `([^`]+)` \|", (RESULTS / "README.md").read_text(), re.M))
+    present = {p.name for p in RESULTS.iterdir() if p.name != "README.md"}
+    assert listed == present, f"unlisted: {sorted(present - listed)}; listed but absent: {sorted(listed - present)}"
+
+
+def test_a_new_call_replaces_the_file_of_its_benchmark_and_card(tmp_path):
+    first = write_markdown(tmp_path, "bench_plan", "cpu", "python -m x --a", "| old |")
+    second = write_markdown(tmp_path, "bench_plan", "cpu", "python -m x --b", "| new |", title="Plan commands")
+    write_json(tmp_path, "bench_plan", "cpu", {"rows": [1]})
+    assert first == second == tmp_path / "bench_plan_cpu.md"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_plan_cpu.json", "bench_plan_cpu.md"]
+    text = second.read_text()
+    assert text.startswith("# Plan commands: cpu, 20") and "Command: `python -m x --b`" in text
+    assert "| new |" in text and "| old |" not in text
+
+
+@pytest.mark.parametrize("card", ["", "h200", "1 x H200", "1xH200", "../x"])
+def test_a_card_is_cpu_or_count_x_model(card, tmp_path):
+    with pytest.raises(ValueError, match="is not 'cpu' or"):
+        results_path(tmp_path, "bench_gpu_te", card)

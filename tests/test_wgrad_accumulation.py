@@ -171,11 +171,14 @@ def _worker(rank, port, params_dtype, gridwright_linears, out, float8=False):
     dist.destroy_process_group()
 
 
+SLOW = pytest.mark.slow  # each case starts Megatron-Core's DDP in a process (8-10 s): one stays in the fast tier
+
+
 @pytest.mark.parametrize("gridwright_linears,float8,params_dtype,tolerance", [
-    (False, False, torch.float32, 1e-5), (False, False, torch.bfloat16, 2e-2),
-    (True, False, torch.float32, 1e-5), (True, False, torch.bfloat16, 2e-2),
+    pytest.param(False, False, torch.float32, 1e-5, marks=SLOW), (False, False, torch.bfloat16, 2e-2),
+    pytest.param(True, False, torch.float32, 1e-5, marks=SLOW), pytest.param(True, False, torch.bfloat16, 2e-2, marks=SLOW),
     # the float8 reference runs in fp32 (bf16 weights would cast to other float8 data)
-    (True, True, torch.float32, 1e-5)],
+    pytest.param(True, True, torch.float32, 1e-5, marks=SLOW)],
     ids=["megatron_function-fp32", "megatron_function-bf16", "accumulating_matmul-fp32", "accumulating_matmul-bf16",
          "float8_accumulating_matmul-fp32"])
 def test_linears_accumulate_into_ddp_buffers(params_dtype, tolerance, gridwright_linears, float8):

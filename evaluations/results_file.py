@@ -36,17 +36,20 @@ def results_path(out: Path, benchmark: str, card: str, suffix: str = ".md") -> P
 
 
 def commit_here() -> str:
-    """The commit this checkout is at (`+` when it has uncommitted changes), or '' outside git
-    (the GPU machines get a copy of the working tree without its history)."""
+    """The commit this checkout is at (`+` when it has uncommitted changes). Outside git (the
+    GPU machines get a copy of the working tree without its history) the caller names it in
+    GRIDWRIGHT_COMMIT, or it is ''."""
+    import os
+
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return ""
+        return os.environ.get("GRIDWRIGHT_COMMIT", "")
     if head.returncode != 0:
-        return ""
+        return os.environ.get("GRIDWRIGHT_COMMIT", "")
     return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 

@@ -62,7 +62,11 @@ def per_test_bound(seconds: int) -> list[str]:
     if importlib.util.find_spec("pytest_timeout") is None:
         print("gpu_tier: pytest-timeout is not installed; a hung test will hang the tier", flush=True)
         return []
-    return ["-p", "pytest_timeout", f"--timeout={seconds}"]
+    from importlib.metadata import entry_points
+
+    # installed as a distribution, pytest loads it by its entry point; naming it again fails
+    registered = any(ep.value == "pytest_timeout" for ep in entry_points(group="pytest11"))
+    return ([] if registered else ["-p", "pytest_timeout"]) + [f"--timeout={seconds}"]
 
 
 def table(rows) -> str:

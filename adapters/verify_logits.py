@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ import torch
 
 from ..checkpoints.logits_digest import sample_tokens
 from ..runtime.loopback import LOOPBACK, free_port
+from ..runtime.process_tree import run_bounded
 from .megatron_files import find_checkpoint
 
 
@@ -79,11 +79,11 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
         ] + (["--vpp", str(vpp)] if vpp else []) + model_args + (["--round-to", round_to] if round_to else [])
         cmd += ["--layer-spec", layer_spec]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            printed = "".join(x if isinstance(x, str) else (x or b"").decode(errors="replace") for x in (e.stdout, e.stderr))
-            raise RuntimeError(f"the Megatron-Core logits run did not end within {timeout:g} s:\n{printed[-4000:]}") from e
+        # bounded as a tree: a hung worker is ended with its torchrun, and cannot hold the pipes
+        proc = run_bounded(cmd, timeout, grace_s=10, env=env)
+        if proc.returncode == 124 and timeout is not None:
+            printed = proc.stdout + proc.stderr
+            raise RuntimeError(f"the Megatron-Core logits run did not end within {timeout:g} s:\n{printed[-4000:]}")
         if proc.returncode != 0:
             raise RuntimeError(f"the Megatron-Core logits run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return torch.load(out_file)

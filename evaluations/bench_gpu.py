@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ from pathlib import Path
 from gridwright.evaluations.results_file import card_of_this_machine, write_json, write_markdown
 from gridwright.evaluations.same_weights import write_same_weights
 from gridwright.runtime.jobdir import read_metrics
+from gridwright.runtime.process_tree import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -307,7 +307,7 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": _visible_device(gpu)}
     print(f"+ [{name}]", " ".join(cmd), flush=True)
-    proc = _run_with_timeout(cmd, env, timeout)
+    proc = run_bounded(cmd, timeout, env=env)
     # Labelled: side by side, two cases' outputs arrive in the order they finish.
     print(f"[{name}] output:\n{proc.stdout[-2500:]}", proc.stderr[-4000:] if proc.returncode else "", flush=True)
     engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
@@ -355,31 +355,6 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
             layout=(job_dir / "config.yaml").exists() and _layout(job_dir),
         )
     return row
-
-
-def _run_with_timeout(cmd: list[str], env, timeout: float | None) -> subprocess.CompletedProcess:
-    """Run a case; past `timeout`, end its whole process tree as a run's processes are ended
-    (`process_tree.end_processes`: SIGTERM, on which the launcher stops its workers, then
-    SIGKILL what is left a minute later) and wait for every member, not only the launcher:
-    the next case must find the GPUs free. Exit code 124 when timed out."""
-    import psutil
-
-    from gridwright.runtime.process_tree import end_processes
-
-    proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        try:
-            launcher = psutil.Process(proc.pid)
-            tree = [launcher, *launcher.children(recursive=True)]
-        except psutil.Error:  # the launcher ended just now
-            tree = []
-        end_processes(tree, grace_s=60)
-        out, err = proc.communicate()
-        return subprocess.CompletedProcess(cmd, 124, out, (err or "") + f"\n[timed out after {timeout:.0f} s]")
 
 
 def _visible_device(index: int) -> str:

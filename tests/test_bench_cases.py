@@ -74,20 +74,21 @@ def test_fp8_loss_check_compares_means_over_seeds_and_each_seed_with_its_bf16():
     assert "| fp8_tensorwise | 2.550 | 2.550 | 2.550 | 2.550 | 2.550 | 1.550 |" in text  # curve: mean over seeds
 
 
-def test_a_timed_out_case_leaves_no_process_behind():
-    """bench_gpu's case timeout stops the case's whole process tree before the next case
-    starts (a launcher's workers would otherwise still hold the GPUs)."""
+def test_a_timed_out_command_leaves_no_process_behind():
+    """run_bounded (bench_gpu's case timeout, the logits check's) stops the whole process
+    tree before it returns: a launcher's workers would otherwise still hold the GPUs, and a
+    grandchild holding the output pipe (here `sleep`) would keep the caller waiting."""
     import sys
     import time
 
     import psutil
 
-    from gridwright.evaluations.bench_gpu import _run_with_timeout
+    from gridwright.runtime.process_tree import run_bounded
 
     code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
             "print(p.pid, flush=True); time.sleep(60)")
     started = time.monotonic()
-    result = _run_with_timeout([sys.executable, "-c", code], None, timeout=2)
+    result = run_bounded([sys.executable, "-c", code], timeout=2)
     assert result.returncode == 124 and "timed out after 2 s" in result.stderr
     assert time.monotonic() - started < 30
     child = int(result.stdout.split()[0])

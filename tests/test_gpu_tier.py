@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import REPO
 
+from gridwright.runtime.process_tree import run_bounded
+
 pytestmark = pytest.mark.gpu
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier)")
@@ -30,13 +32,12 @@ MODEL = ["model=tiny_llama", "model.hidden_size=256", "model.ffn_hidden_size=768
 RECIPES = {"delayed": "precision=fp8_delayed", "current": "precision=fp8_tensorwise"}
 
 
-def launch(tmp: Path, job: str, *args, timeout: int = 400) -> tuple[subprocess.CompletedProcess, Path]:
+def launch(tmp: Path, job: str, *args, timeout: int = 180) -> tuple[subprocess.CompletedProcess, Path]:
     job_dir = tmp / job
     # TE's deterministic fused attention: a resume can equal the uninterrupted run only so
     env = {**os.environ, "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
-    result = subprocess.run([sys.executable, str(REPO / "launch.py"), *MODEL, f"job_root={tmp / 'jobs'}",
-                             f"job_dir={job_dir}", *args], cwd=tmp, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = run_bounded([sys.executable, str(REPO / "launch.py"), *MODEL, f"job_root={tmp / 'jobs'}",
+                          f"job_dir={job_dir}", *args], timeout, grace_s=10, cwd=tmp, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result, job_dir
 
@@ -149,19 +150,19 @@ def test_a_transformer_engine_checkpoint_converts_to_hugging_face_and_back_by_lo
     assert extra_state_pickles(ck / "iter_0000004")  # the FP8 scales travel with the weights
     tokens = sample_tokens(256, 2, 16)
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # full fp32 GEMMs in TE's process too
-    te = megatron_logits(ck, tokens, layer_spec="transformer_engine", timeout=150)
-    native = megatron_logits(ck, tokens, layer_spec="torch_native", timeout=150)
+    te = megatron_logits(ck, tokens, layer_spec="transformer_engine", timeout=120)
+    native = megatron_logits(ck, tokens, layer_spec="torch_native", timeout=120)
     for direction, args in (("megatron-to-hf", ["--megatron", ck, "--out", hf]),
                             ("hf-to-megatron", ["--hf", hf, "--out", back])):
-        done = subprocess.run([sys.executable, "-m", "gridwright.adapters.convert", direction, *map(str, args)],
-                              capture_output=True, text=True, timeout=300)
+        done = run_bounded([sys.executable, "-m", "gridwright.adapters.convert", direction, *map(str, args)], 120,
+                           grace_s=10)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     differences = {"torch-native": (te - native).abs().max().item(),
                    "transformers": (te - hf_logits(hf, tokens)).abs().max().item()}
     print("TE logits against", differences)
     assert te.shape == (2, 16, 256)
     assert max(differences.values()) <= 1e-4, differences  # convert --verify's default tolerance
-    assert torch.equal(megatron_logits(back, tokens, layer_spec="transformer_engine", timeout=150), te)
+    assert torch.equal(megatron_logits(back, tokens, layer_spec="transformer_engine", timeout=120), te)
 
 
 @needs_te

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import uuid
 
 import psutil
@@ -89,3 +90,25 @@ def end_descendants(grace_s: float = 5.0) -> None:
     except psutil.Error:
         return
     end_processes(procs, grace_s)
+
+
+def run_bounded(cmd: list[str], timeout: float | None, grace_s: float = 60.0, **popen) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` whose timeout ends the whole
+    process tree, not only `cmd`: `subprocess.run`'s own timeout kills the one child and then
+    waits for the output pipes, which a surviving grandchild (a torchrun worker) holds open,
+    so a hung worker hung its caller too. Past `timeout`: SIGTERM to every descendant, then
+    SIGKILL after `grace_s`, and the CompletedProcess has exit code 124 and says so."""
+    proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        try:
+            head = psutil.Process(proc.pid)
+            tree = [head, *head.children(recursive=True)]
+        except psutil.Error:  # it ended just now
+            tree = []
+        end_processes(tree, grace_s=grace_s)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, 124, out, (err or "") + f"\n[timed out after {timeout:.0f} s]")

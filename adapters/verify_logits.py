@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.logits_digest import sample_tokens
-from ..runtime.loopback import LOOPBACK, free_port
+from ..runtime.loopback import LOOPBACK, LOOPBACK_SOCKETS, free_port
 from ..runtime.process_tree import run_bounded
 from .megatron_files import find_checkpoint
 
@@ -78,7 +78,7 @@ def megatron_logits(checkpoint_dir: str | Path, tokens: torch.Tensor, tp=1, pp=1
             "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
         ] + (["--vpp", str(vpp)] if vpp else []) + model_args + (["--round-to", round_to] if round_to else [])
         cmd += ["--layer-spec", layer_spec]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **LOOPBACK_SOCKETS)
         # bounded as a tree: a hung worker is ended with its torchrun, and cannot hold the pipes
         proc = run_bounded(cmd, timeout, grace_s=10, env=env)
         if proc.returncode == 124 and timeout is not None:

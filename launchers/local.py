@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..runtime.process_tree import TOKEN_ENV, end_run_processes, new_token
 
-from ..runtime.loopback import LOOPBACK, free_port
+from ..runtime.loopback import LOOPBACK, LOOPBACK_SOCKETS, free_port
 from .agent import LAUNCHER_PIPE_ENV, LOOPBACK_BACKEND, STOP_LINE
 from .environment import worker_env
 
@@ -47,7 +47,7 @@ def run_local(cfg, job_dir: Path) -> tuple[int, int | None, str | None]:
     token = new_token()
     env = dict(os.environ)
     env.update(worker_env(cfg))
-    env.update({TOKEN_ENV: token, LAUNCHER_PIPE_ENV: "1", "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"})
+    env.update({TOKEN_ENV: token, LAUNCHER_PIPE_ENV: "1", **LOOPBACK_SOCKETS})
     cmd = agent_command(cfg, job_dir, free_port())
     print("+ " + " ".join(cmd), flush=True)
     # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which passes

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gridwright.atomic_io import write_text_atomic
+from gridwright.runtime.process_tree import run_bounded
 
 
 def _checkout() -> Path:
@@ -124,11 +125,9 @@ def run(cmd: Command, cwd: Path, env: dict, timeout: int, log) -> Outcome:
         return Outcome(cmd.line, "skipped", None, 0.0, why, cmd.page)
     print(f"$ {line}    [{cmd.page}]", flush=True)
     start = time.perf_counter()
-    try:
-        done = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        code, out, err = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as e:
-        code, out, err = None, str(e.stdout or ""), f"timed out after {timeout} s"
+    # a command that starts workers (a launch) is ended with all of them past its timeout (exit 124)
+    done = run_bounded(["bash", "-c", line], timeout, grace_s=10, cwd=cwd, env=env)
+    code, out, err = done.returncode, done.stdout, done.stderr
     seconds = time.perf_counter() - start
     log.write(f"$ {line}    [{cmd.page}]\n{out}\n{err}\n[exit {code}, {seconds:.1f} s]\n\n")
     log.flush()

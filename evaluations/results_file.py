@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -39,17 +40,16 @@ def commit_here() -> str:
     """The commit this checkout is at (`+` when it has uncommitted changes). Outside git (the
     GPU machines get a copy of the working tree without its history) the caller names it in
     GRIDWRIGHT_COMMIT, or it is ''."""
-    import os
-
+    named = os.environ.get("GRIDWRIGHT_COMMIT", "")
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GRIDWRIGHT_COMMIT", "")
+        return named
     if head.returncode != 0:
-        return os.environ.get("GRIDWRIGHT_COMMIT", "")
+        return named
     return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 

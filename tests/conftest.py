@@ -55,6 +55,7 @@ def run_torchrun_job(tmp: Path, *overrides: str, before_run=None, timeout: int =
     node would; `before_run` changes the files between the two. A free port is free when
     chosen, not when torchrun binds it seconds later: on EADDRINUSE the job is planned again."""
     from gridwright.runtime.loopback import free_port
+    from gridwright.runtime.process_tree import run_bounded
 
     for attempt in range(3):
         job = tmp / f"torchrun_job{attempt}"
@@ -66,7 +67,7 @@ def run_torchrun_job(tmp: Path, *overrides: str, before_run=None, timeout: int =
             before_run()
         line = (job / "torchrun_commands.sh").read_text().strip().splitlines()[-1]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        result = subprocess.run(["bash", "-c", line], cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        result = run_bounded(["bash", "-c", line], timeout, grace_s=10, cwd=tmp, env=env)
         if "EADDRINUSE" not in result.stderr:
             break
     return result

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
+import signal
 from pathlib import Path
 
 import torch
@@ -36,6 +38,9 @@ def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, s
 def main() -> None:
     from ..checkpoints.checkpoint_trust import guard_process, inherited_trust
 
+    # a caller's timeout ends this process with SIGTERM: its stacks go to stderr first, which
+    # the caller's error carries (where it hung, not only that it did)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     guard_process(trust=inherited_trust())
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True, help="an iter_N directory")

@@ -1,6 +1,6 @@
 """Training throughput, MFU, exposed communication and memory on the local GPU(s).
 
-    python -m gridwright.evaluations.bench_gpu [--suite performance|engines|zero_speed|te|all] [--only NAME ...]
+    python -m gridwright.evaluations.bench_gpu [--suite NAME] [--only CASE ...]
         [--one-gpu-cases-side-by-side]
 
 Each case is a real `launch.py` run (torchrun, NCCL); the table reports the mean of the
@@ -14,8 +14,10 @@ the same invocation.
 The `performance` suite (the default) runs each layout as it was (`..._base`: the
 torch-native spec uncompiled, Megatron-Core's SP communication) and with the faster
 paths: compiled layers, async TP, FP8 through torchao. The `te` suite runs Transformer
-Engine's layer spec (bf16, each FP8 recipe, micro-batch and recompute for FP8, CUDA graphs)
-beside the torch-native spec's best bf16 and FP8 rows.
+Engine's layer spec (bf16, each FP8 recipe, micro-batch for FP8, the float8 output layer)
+beside the torch-native spec's best bf16 and FP8 rows; `te_graphs` runs CUDA graphs on TE's
+layers beside the same runs eager, and `te_packed` packed documents through TE's THD
+attention beside the torch-native varlen kernel.
 
 `--one-gpu-cases-side-by-side` runs the one-GPU cases two at a time, one per GPU (the
 table says so): it halves their wall time where device time is short, at the price of a
@@ -242,7 +244,9 @@ VARLEN_2GPU = varlen_suite(2, "varlen2")
 # Transformer Engine's layer spec (its fused linears, norms, rotary and cuDNN attention)
 # beside the torch-native spec's best paths, in one call: bf16, each FP8 recipe, FP8 at
 # micro-batch 1 (micro-batch 4 does not fit one H200 without full recompute, by the
-# memory estimate), and CUDA graphs on TE layers.
+# memory estimate). Two questions have suites of their own, so that each fits one call
+# beside its baseline: CUDA graphs on TE layers (`te_graphs`) and packed documents through
+# TE's THD attention (`te_packed`).
 TE = ["engine.layer_spec=transformer_engine"]
 VARLEN_1GPU = VARLEN_BASE + ["cluster=h100_x1", "train.global_batch_size=2"]
 FP8_OUTPUT = ["precision.fp8_output_layer=true"]
@@ -257,25 +261,33 @@ TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT),
     "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE),
     "llama3_8b_16l_1gpu_mb1_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + ["train.micro_batch_size=1"]),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
     # the output layer (outside TE's layers) through torchao's tensorwise float8 matmul
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + FP8_OUTPUT),
     "llama3_8b_16l_1gpu_mb2_te_fp8_current_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT + FP8_OUTPUT),
-    # packed documents (32k rows, uncompiled): TE's THD fused attention against the
-    # torch-native spec's varlen flash kernel
-    "varlen1_te": (1, VARLEN_1GPU + TE),
-    "varlen1_torch_native": (1, VARLEN_1GPU + ["engine.layer_spec=torch_native"]),
-    "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
-    "bench_1b_1gpu_te": (1, BENCH_1GPU + TE),
-    "bench_1b_1gpu_te_graphs": (1, BENCH_1GPU + TE + GRAPHS),
     "bench_1b_1gpu_te_fp8_delayed": (1, BENCH_1GPU + TE_DELAYED),
     "bench_1b_1gpu_te_fp8_current": (1, BENCH_1GPU + TE_CURRENT),
     "bench_1b_1gpu_te_fp8_blockwise": (1, BENCH_1GPU + TE_BLOCKWISE),
 }.items()}
+# Megatron-Core's CUDA graphs (per layer) on TE's layers, each beside the same run eager:
+# on the bench model, whose step is host-bound, and on the 8B shape in FP8.
+TE_GRAPHS = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
+    "bench_1b_1gpu_te": (1, BENCH_1GPU + TE),
+    "bench_1b_1gpu_te_graphs": (1, BENCH_1GPU + TE + GRAPHS),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
+}.items()}
+# Packed documents (32k rows, uncompiled): TE's THD fused attention against the
+# torch-native spec's varlen flash kernel.
+TE_PACKED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "varlen1_te": (1, VARLEN_1GPU + TE),
+    "varlen1_torch_native": (1, VARLEN_1GPU + ["engine.layer_spec=torch_native"]),
+}.items()}
 
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
-          "varlen_2gpu": VARLEN_2GPU, "te": TE_SUITE,
-          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU, **TE_SUITE}}
+          "varlen_2gpu": VARLEN_2GPU, "te": TE_SUITE, "te_graphs": TE_GRAPHS, "te_packed": TE_PACKED,
+          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU, **TE_SUITE, **TE_GRAPHS,
+                  **TE_PACKED}}
 
 
 def device_overrides() -> list[str]:

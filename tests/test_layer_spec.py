@@ -103,6 +103,9 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
     (["precision=fp8_delayed"], True, False,
      "torch_native (engine.layer_spec=auto, Transformer Engine not installed here); FP8 delayed needs "
      "Transformer Engine's layers (refused where they are not built)"),
+    (["engine.layer_spec=transformer_engine", "precision=fp8_delayed"], True, False,
+     "transformer_engine (engine.layer_spec=transformer_engine; not installed on this host: each worker checks "
+     "its node); FP8 delayed by transformer_engine"),
 ])
 def test_the_plan_names_whose_layers_and_fp8_a_run_gets(compose, overrides, on_cuda, te_installed, words):
     from gridwright.config.fp8_choice import planned_layers

@@ -44,10 +44,14 @@ def planned_layers(engine, precision, on_cuda: bool, te_installed: bool) -> str:
     """The plan's words for whose layers and FP8 a Megatron-Core layer spec run gets. A plan
     does not import Transformer Engine (seconds): it takes TE as importable where it is
     installed, and every worker checks its own node before it builds anything."""
-    te = on_cuda and transformer_engine_layers(engine, precision, te_installed)
+    asked = engine.layer_spec == "transformer_engine"
+    # asked for by name, TE is what the workers build or refuse (a cluster's nodes may have
+    # it where the host that plans does not)
+    te = on_cuda and (asked or transformer_engine_layers(engine, precision, te_installed))
     if te:
-        why = "engine.layer_spec=transformer_engine" if engine.layer_spec == "transformer_engine" else \
-            "engine.layer_spec=auto, Transformer Engine installed here"
+        why = "engine.layer_spec=auto, Transformer Engine installed here" if not asked else \
+            "engine.layer_spec=transformer_engine" + ("" if te_installed else
+                                                      "; not installed on this host: each worker checks its node")
     elif engine.layer_spec == "torch_native":
         why = "engine.layer_spec=torch_native"
     elif not on_cuda:

@@ -35,7 +35,8 @@ def layout_run_config(model: dict, tp: int, pp: int, vpp: int | None, ep: int, s
     return cfg
 
 
-def main() -> None:
+def main() -> bool:
+    """True where the process must end at once (on the GPU)."""
     from ..checkpoints.checkpoint_trust import guard_process, inherited_trust
 
     # a caller's timeout ends this process with SIGTERM: its stacks go to stderr first, which
@@ -120,11 +121,18 @@ def main() -> None:
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 torch.save(torch.cat(parts, dim=-1).cpu(), args.out)
         dist.barrier()
+        if not on_cpu:  # the GPU check ends as a CUDA training worker does (worker._LEAVE_GROUPS_TO_EXIT)
+            torch.cuda.synchronize()
+            return True
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+    return False
 
 
 if __name__ == "__main__":
     from gridwright.process_exit import exit_without_final_collection
+    from gridwright.runtime.worker import exit_leaving_groups
 
-    exit_without_final_collection(main())
+    if main():
+        exit_leaving_groups(0)
+    exit_without_final_collection(0)

@@ -289,7 +289,7 @@ def train(job_dir: Path) -> int:
     stop = StopRequest()
     cfg = load_job_config(job_dir)
     global _LEAVE_GROUPS_TO_EXIT
-    _LEAVE_GROUPS_TO_EXIT = cfg.engine.cuda_graphs != "none"
+    _LEAVE_GROUPS_TO_EXIT = cfg.cluster.device == "cuda"
     guard_process(trust=cfg.checkpoint.trust_pickled_code)  # before any checkpoint file is read
     filter_known_warnings(cfg.cluster.device)
     refuse_what_this_machine_cannot_run(cfg)
@@ -338,15 +338,17 @@ def train(job_dir: Path) -> int:
     return 0
 
 
-# Set once a run with CUDA graphs starts: its NCCL groups are then left to the process's
-# exit, whichever way training ends (megatron_engine.open_trainer says why).
+# Set once a CUDA run starts: the process then ends at once, without destructors,
+# whichever way training ends. A run with CUDA graphs leaves its NCCL groups to that exit
+# (megatron_engine.open_trainer says why); and on 1 x H200 (torch 2.11, TE 2.19) a TE run
+# of packed documents stayed alive after it had written its summary, its groups already
+# destroyed, until its agent was stopped. Everything a run records is written by then.
 _LEAVE_GROUPS_TO_EXIT = False
 
 
 def exit_leaving_groups(code: int) -> None:
-    """End the process now without running destructors: after CUDA graphs captured NCCL
-    work, tearing the groups down hung. Output is flushed and child processes ended first,
-    as a normal exit would."""
+    """End the process now without running destructors (a CUDA run: _LEAVE_GROUPS_TO_EXIT
+    says why). Output is flushed and child processes ended first, as a normal exit would."""
     sys.stdout.flush()
     sys.stderr.flush()
     end_descendants()

@@ -131,8 +131,8 @@ def main() -> bool:
 
 if __name__ == "__main__":
     from gridwright.process_exit import exit_without_final_collection
-    from gridwright.runtime.worker import exit_leaving_groups
+    from gridwright.runtime.process_tree import exit_at_once
 
     if main():
-        exit_leaving_groups(0)
+        exit_at_once(0)
     exit_without_final_collection(0)

@@ -1,22 +1,31 @@
 """The GPU test tier, run and recorded: `pytest -m gpu` on this machine's GPU, and a results
 file that names the card, torch, Transformer Engine and the commit.
 
-    python -m gridwright.evaluations.gpu_tier [--out DIR] [-- PYTEST ARGS]
+    python -m gridwright.evaluations.gpu_tier [--out DIR] [--budget S] [--resume FILE] [-- PYTEST ARGS]
 
 Here a skipped test counts as a failure: the tier exists to run on a GPU with TE, so a
-skip means it did not. Exit 1 when any test failed or skipped.
+skip means it did not. Exit 1 when any test failed, skipped or was not run.
+
+The whole tier takes longer than one command may run on the GPU machines (about 9 minutes
+on 1 x H200 from a cold start, against a 10-minute limit with set-up), so it can be run in
+parts: `--budget S` interrupts it after S seconds (the running test's processes end with it)
+and records the tests not run; `--resume FILE` (the `.json` an earlier part wrote) keeps the tests that passed there,
+each with its own call's commit and time, and runs the rest.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from gridwright.evaluations.results_file import card_of_this_machine, write_markdown
+from gridwright.evaluations.results_file import card_of_this_machine, commit_here, write_json, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "gpu_tier"
@@ -69,10 +78,40 @@ def per_test_bound(seconds: int) -> list[str]:
     return ([] if registered else ["-p", "pytest_timeout"]) + [f"--timeout={seconds}"]
 
 
-def table(rows) -> str:
-    lines = ["| test | result | seconds | reason |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{n}` | {r} | {s:.1f} | {why.replace('|', '/')} |" for n, r, s, why in rows]
+def table(rows: list[dict]) -> str:
+    lines = ["| test | result | seconds | call | reason |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{r['test']}` | {r['result']} | {r['seconds']:.1f} | {r['call']} | {r['reason'].replace('|', '/')} |"
+              for r in rows]
     return "\n".join(lines)
+
+
+def collected(base: list[str]) -> list[str]:
+    """The tier's test ids, in the order pytest runs them."""
+    done = subprocess.run([*base, "--collect-only", "-q"], cwd=REPO, capture_output=True, text=True)
+    return [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def test_name(node_id: str) -> str:
+    """`tests/test_x.py::test_y[a]` as junit names it: `test_x::test_y[a]`."""
+    path, _, rest = node_id.partition("::")
+    return f"{Path(path).stem}::{rest}"
+
+
+def run_pytest(cmd: list[str], budget_s: float | None) -> None:
+    """Run pytest; past the budget, interrupt it as Ctrl-C would (it writes its junit file for
+    the tests that ended)."""
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    try:
+        proc.wait(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        print(f"gpu_tier: the budget of {budget_s:g} s is spent: interrupting the running test "
+              "(it and those after it are recorded as not run)", flush=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> int:
@@ -81,22 +120,43 @@ def main() -> int:
     ap.add_argument("--test-timeout", type=int, default=240,
                     help="seconds after which one test fails as hung (pytest-timeout, where it is installed), so "
                          "that a hung test cannot keep the tier from writing its file")
+    ap.add_argument("--budget", type=float, help="seconds after which the tier is interrupted; the tests not finished are recorded as not run")
+    ap.add_argument("--resume", type=Path, help="an earlier part's .json: its passed tests are kept, not run again")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
+    gpu = machine()
+    earlier = json.loads(args.resume.read_text()) if args.resume else {"rows": []}
+    if args.resume and earlier.get("machine") != gpu:
+        print(f"error: {args.resume} was recorded on {earlier.get('machine')}, not on {gpu}", file=sys.stderr)
+        return 2
+    kept = [r for r in earlier["rows"] if r["result"] == "passed"]
     junit = Path(tempfile.mkdtemp(prefix="gpu_tier_")) / "junit.xml"
     # addopts without xdist's -n (one GPU, and the GPU machines need not have xdist)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=-ra --strict-markers", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *per_test_bound(args.test_timeout), *gpu_test_files(), *args.pytest_args]
+    base = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=-ra --strict-markers", "-p", "no:cacheprovider",
+            *gpu_test_files(), *args.pytest_args]
+    wanted = collected(base)
+    skip = {r["test"] for r in kept}
+    cmd = [*base, f"--junitxml={junit}", *per_test_bound(args.test_timeout),
+           *(f"--deselect={t}" for t in wanted if test_name(t) in skip)]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO)
-    rows = outcomes(junit) if junit.exists() else []
-    passed = sum(r[1] == "passed" for r in rows)
+    run_pytest(cmd, args.budget)
+    call = f"{commit_here() or 'unknown'} {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}"
+    ran = {n: {"test": n, "result": r, "seconds": s, "call": call, "reason": why}
+           for n, r, s, why in (outcomes(junit) if junit.exists() else [])}
+    by_name = {r["test"]: r for r in kept} | ran
+    rows = [by_name.get(test_name(t)) or {"test": test_name(t), "result": "not run", "seconds": 0.0, "call": call,
+                                         "reason": "the budget was spent" if args.budget else "did not report"}
+            for t in wanted]
+    passed = sum(r["result"] == "passed" for r in rows)
     verdict = "passed" if rows and passed == len(rows) else "FAILED"
-    gpu = machine()
+    calls = sorted({r["call"] for r in rows})
     text = (f"GPU: {gpu}\n\n**{verdict}**: {passed} of {len(rows)} passed "
-            "(a skip counts as a failure here).\n\n" + table(rows))
-    path = write_markdown(args.out, NAME, card_of_this_machine(), "python -m gridwright.evaluations.gpu_tier", text,
-                          title="The GPU test tier")
+            f"(a skip counts as a failure here), in {len(calls)} call{'s' * (len(calls) > 1)} "
+            "(`--budget`, `--resume`).\n\n" + table(rows))
+    card = card_of_this_machine()
+    command = "python -m gridwright.evaluations.gpu_tier" + (" --resume" if args.resume else "")
+    path = write_markdown(args.out, NAME, card, command, text, title="The GPU test tier")
+    write_json(args.out, NAME, card, {"machine": gpu, "verdict": verdict, "rows": rows})
     print(text, f"\nwritten: {path}", sep="\n", flush=True)
     return 0 if verdict == "passed" else 1
 

@@ -95,6 +95,34 @@ def test_a_timed_out_command_leaves_no_process_behind():
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+def test_an_interrupted_caller_leaves_no_process_behind():
+    """A caller interrupted while it waits (the GPU tier's budget sends Ctrl-C; a test's
+    timeout raises) ends the process tree it started: a launch's workers would otherwise go
+    on holding the GPU while the next part of the tier runs."""
+    import signal
+    import sys
+    import time
+
+    import psutil
+
+    from gridwright.runtime.process_tree import run_bounded
+
+    code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    old = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    signal.alarm(2)  # KeyboardInterrupt in two seconds, inside run_bounded's wait
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_bounded([sys.executable, "-c", code], timeout=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    time.sleep(0.5)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline() for p in left]
+
+
 def test_the_wgrad_gemm_bench_refuses_a_machine_without_a_gpu():
     """One line and exit 2 where no GPU is visible, before any work."""
     import os

@@ -327,7 +327,7 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
             # On 2 x H200 (torch 2.11) destroy_process_group hung after the last step of every
             # run whose graphs captured NCCL work (TP=2+SP, CP=2; a faulthandler dump), so the
             # groups are left to the process's exit, which the worker makes without running
-            # destructors (worker.exit_leaving_groups).
+            # destructors (process_tree.exit_at_once).
             torch.cuda.synchronize()
             return
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import uuid
 
 import psutil
@@ -92,6 +93,16 @@ def end_descendants(grace_s: float = 5.0) -> None:
     end_processes(procs, grace_s)
 
 
+def exit_at_once(code: int) -> None:
+    """End the process now without running destructors: after a CUDA run, tearing down its
+    NCCL groups or CUDA state has hung (runtime.worker says where). Output is flushed and
+    child processes ended first, as a normal exit would."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    end_descendants()
+    os._exit(code)
+
+
 def run_bounded(cmd: list[str], timeout: float | None, grace_s: float = 60.0, **popen) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True)` whose timeout ends the whole
     process tree, not only `cmd`: `subprocess.run`'s own timeout kills the one child and then
@@ -104,11 +115,18 @@ def run_bounded(cmd: list[str], timeout: float | None, grace_s: float = 60.0, **
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
-        try:
-            head = psutil.Process(proc.pid)
-            tree = [head, *head.children(recursive=True)]
-        except psutil.Error:  # it ended just now
-            tree = []
-        end_processes(tree, grace_s=grace_s)
+        _end_tree(proc.pid, grace_s)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(cmd, 124, out, (err or "") + f"\n[timed out after {timeout:.0f} s]")
+    except BaseException:  # the caller is interrupted (Ctrl-C, a test's timeout): the tree ends with it
+        _end_tree(proc.pid, grace_s=5.0)
+        raise
+
+
+def _end_tree(pid: int, grace_s: float) -> None:
+    try:
+        head = psutil.Process(pid)
+        tree = [head, *head.children(recursive=True)]
+    except psutil.Error:  # it ended just now
+        tree = []
+    end_processes(tree, grace_s=grace_s)

@@ -35,7 +35,7 @@ from .known_warnings import filter_known_warnings
 from ..planning.layout import ParallelLayout
 from ..planning.disk_space import DiskFull
 from .heartbeat import Heartbeat
-from .process_tree import TOKEN_ENV, die_with_parent, end_descendants
+from .process_tree import TOKEN_ENV, die_with_parent, end_descendants, exit_at_once
 from .step_metrics import StepMetrics, read_memory_records
 
 EXIT_REFUSED = 2  # a worker refused its input (the agent then exits 2 too)
@@ -338,21 +338,12 @@ def train(job_dir: Path) -> int:
     return 0
 
 
-# Set once a CUDA run starts: the process then ends at once, without destructors,
+# Set once a CUDA run starts: the process then ends at once (process_tree.exit_at_once), without destructors,
 # whichever way training ends. A run with CUDA graphs leaves its NCCL groups to that exit
 # (megatron_engine.open_trainer says why); and on 1 x H200 (torch 2.11, TE 2.19) a TE run
 # of packed documents stayed alive after it had written its summary, its groups already
 # destroyed, until its agent was stopped. Everything a run records is written by then.
 _LEAVE_GROUPS_TO_EXIT = False
-
-
-def exit_leaving_groups(code: int) -> None:
-    """End the process now without running destructors (a CUDA run: _LEAVE_GROUPS_TO_EXIT
-    says why). Output is flushed and child processes ended first, as a normal exit would."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    end_descendants()
-    os._exit(code)
 
 
 def evaluate_communication(job_dir: Path) -> dict:
@@ -381,5 +372,5 @@ def evaluate_communication(job_dir: Path) -> dict:
 if __name__ == "__main__":
     code = main()
     if _LEAVE_GROUPS_TO_EXIT:
-        exit_leaving_groups(code)
+        exit_at_once(code)
     exit_without_final_collection(code)

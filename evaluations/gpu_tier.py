@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,10 +86,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def collected(base: list[str]) -> list[str]:
+# Flags that change how much pytest prints: at any net verbosity but -1 `--collect-only`
+# prints a tree, not test ids, so they are left out of the collection (a `-v` once made it
+# find no tests at all).
+VERBOSITY_FLAGS = re.compile(r"-[vqs]+|--verbose|--quiet|--capture=.*")
+
+
+class NothingCollected(Exception):
+    """A tier of no tests would be recorded as "0 of 0 passed"; it is an error instead."""
+
+
+def collected(base: list[str], pytest_args: list[str]) -> list[str]:
     """The tier's test ids, in the order pytest runs them."""
-    done = subprocess.run([*base, "--collect-only", "-q"], cwd=REPO, capture_output=True, text=True)
-    return [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    selecting = [a for a in pytest_args if not VERBOSITY_FLAGS.fullmatch(a)]
+    done = subprocess.run([*base, *selecting, "--collect-only", "-q"], cwd=REPO, capture_output=True, text=True)
+    ids = [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if not ids:
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["(nothing printed)"]
+        raise NothingCollected(f"error: pytest collected no GPU tests here: {last[0]}")
+    return ids
 
 
 def test_name(node_id: str) -> str:
@@ -114,6 +130,12 @@ def run_pytest(cmd: list[str], budget_s: float | None) -> None:
             proc.wait()
 
 
+def not_run_because(selected: bool, budget: float | None) -> str:
+    if not selected:
+        return "not selected in this call (its pytest arguments)"
+    return "the budget was spent" if budget else "did not report"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "evaluations" / "results")))
@@ -133,11 +155,16 @@ def main() -> int:
     junit = Path(tempfile.mkdtemp(prefix="gpu_tier_")) / "junit.xml"
     # addopts without xdist's -n (one GPU, and the GPU machines need not have xdist)
     base = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=-ra --strict-markers", "-p", "no:cacheprovider",
-            *gpu_test_files(), *args.pytest_args]
-    wanted = collected(base)
+            *gpu_test_files()]
+    try:
+        tier = collected(base, [])
+        wanted = set(collected(base, args.pytest_args)) if args.pytest_args else set(tier)
+    except NothingCollected as e:
+        print(e, file=sys.stderr)
+        return 2
     skip = {r["test"] for r in kept}
-    cmd = [*base, f"--junitxml={junit}", *per_test_bound(args.test_timeout),
-           *(f"--deselect={t}" for t in wanted if test_name(t) in skip)]
+    cmd = [*base, *args.pytest_args, f"--junitxml={junit}", *per_test_bound(args.test_timeout),
+           *(f"--deselect={t}" for t in tier if test_name(t) in skip)]
     print("+", " ".join(cmd), flush=True)
     run_pytest(cmd, args.budget)
     call = f"{commit_here() or 'unknown'} {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}"
@@ -145,8 +172,9 @@ def main() -> int:
            for n, r, s, why in (outcomes(junit) if junit.exists() else [])}
     by_name = {r["test"]: r for r in kept} | ran
     rows = [by_name.get(test_name(t)) or {"test": test_name(t), "result": "not run", "seconds": 0.0, "call": call,
-                                         "reason": "the budget was spent" if args.budget else "did not report"}
-            for t in wanted]
+                                         "reason": not_run_because(t in wanted, args.budget)}
+            for t in tier]
+    rows += [r for n, r in ran.items() if n not in {row["test"] for row in rows}]  # none, unless collection erred
     passed = sum(r["result"] == "passed" for r in rows)
     verdict = "passed" if rows and passed == len(rows) else "FAILED"
     calls = sorted({r["call"] for r in rows})

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
+import time
 from pathlib import Path
 
 from gridwright.evaluations.results_file import card_of_this_machine, commit_here, write_json, write_markdown
@@ -48,20 +48,42 @@ def gpu_test_files() -> list[str]:
                   if "pytest.mark.gpu" in p.read_text())
 
 
-def outcomes(junit: Path) -> list[tuple[str, str, float, str]]:
-    """(test, passed|failed|skipped, seconds, first line of the reason) per test case."""
-    rows = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
-        result, reason = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            found = case.find(tag)
-            if found is not None:
-                result = "skipped" if tag == "skipped" else "failed"
-                reason = (found.get("message") or "").strip().splitlines()[0][:160] if found.get("message") else ""
-                break
-        rows.append((name, result, float(case.get("time", 0)), reason))
-    return rows
+# This module is also the tier's pytest plugin (`-p gridwright.evaluations.gpu_tier`): each
+# test's result is appended to this file as it ends, so an interrupted or killed pytest
+# loses only the test it was running (a junit file is written at the end or not at all).
+REPORTS_ENV = "GRIDWRIGHT_GPU_TIER_REPORTS"
+
+
+def pytest_runtest_logreport(report) -> None:
+    """pytest's hook, per phase of each test: record the call's result and any phase that
+    did not pass (a skip or an error in setup, an error in teardown)."""
+    path = os.environ.get(REPORTS_ENV)
+    if not path or (report.when != "call" and report.passed):
+        return
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+    else:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        reason = crash.message if crash is not None else str(report.longrepr or "")
+    record = {"test": test_name(report.nodeid), "outcome": report.outcome, "seconds": report.duration,
+              "reason": (reason.strip().splitlines() or [""])[0].removeprefix("Skipped: ")[:160]}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def outcomes(reports: Path) -> dict[str, tuple[str, float, str]]:
+    """{test: (passed|failed|skipped, seconds, first line of the reason)} from the plugin's file."""
+    out: dict[str, tuple[str, float, str]] = {}
+    for line in reports.read_text().splitlines() if reports.exists() else []:
+        r = json.loads(line)
+        result = {"passed": "passed", "skipped": "skipped"}.get(r["outcome"], "failed")
+        before, seconds, why = out.get(r["test"], ("passed", 0.0, ""))
+        if before != "passed":  # the first phase that did not pass decides
+            result, why = before, why
+        else:
+            why = r["reason"] if result != "passed" else ""
+        out[r["test"]] = (result, seconds + r["seconds"], why)
+    return out
 
 
 def per_test_bound(seconds: int) -> list[str]:
@@ -108,15 +130,20 @@ def collected(base: list[str], pytest_args: list[str]) -> list[str]:
 
 
 def test_name(node_id: str) -> str:
-    """`tests/test_x.py::test_y[a]` as junit names it: `test_x::test_y[a]`."""
+    """`tests/test_x.py::test_y[a]` as the results file names it: `test_x::test_y[a]`."""
     path, _, rest = node_id.partition("::")
     return f"{Path(path).stem}::{rest}"
 
 
-def run_pytest(cmd: list[str], budget_s: float | None) -> None:
-    """Run pytest; past the budget, interrupt it as Ctrl-C would (it writes its junit file for
-    the tests that ended)."""
-    proc = subprocess.Popen(cmd, cwd=REPO)
+# Seconds kept back from --budget for interrupting pytest and writing the file: on 1 x H200
+# collecting the tier took about 20 s of a 270 s call, and a budget counted from pytest's start
+# let the caller's limit end the command before it had written anything.
+WRAP_UP_S = 30.0
+
+
+def run_pytest(cmd: list[str], budget_s: float | None, reports: Path) -> None:
+    """Run pytest; past the budget, interrupt it as Ctrl-C would."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, REPORTS_ENV: str(reports)})
     try:
         proc.wait(timeout=budget_s)
     except subprocess.TimeoutExpired:
@@ -124,7 +151,7 @@ def run_pytest(cmd: list[str], budget_s: float | None) -> None:
               "(it and those after it are recorded as not run)", flush=True)
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=300)
+            proc.wait(timeout=WRAP_UP_S - 10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -142,17 +169,19 @@ def main() -> int:
     ap.add_argument("--test-timeout", type=int, default=240,
                     help="seconds after which one test fails as hung (pytest-timeout, where it is installed), so "
                          "that a hung test cannot keep the tier from writing its file")
-    ap.add_argument("--budget", type=float, help="seconds after which the tier is interrupted; the tests not finished are recorded as not run")
+    ap.add_argument("--budget", type=float, help="seconds from this command's start (collection included) after "
+                    "which the tier is interrupted; the tests not finished are recorded as not run")
     ap.add_argument("--resume", type=Path, help="an earlier part's .json: its passed tests are kept, not run again")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
+    started = time.monotonic()
     gpu = machine()
     earlier = json.loads(args.resume.read_text()) if args.resume else {"rows": []}
     if args.resume and earlier.get("machine") != gpu:
         print(f"error: {args.resume} was recorded on {earlier.get('machine')}, not on {gpu}", file=sys.stderr)
         return 2
     kept = [r for r in earlier["rows"] if r["result"] == "passed"]
-    junit = Path(tempfile.mkdtemp(prefix="gpu_tier_")) / "junit.xml"
+    reports = Path(tempfile.mkdtemp(prefix="gpu_tier_")) / "reports.jsonl"
     # addopts without xdist's -n (one GPU, and the GPU machines need not have xdist)
     base = [sys.executable, "-m", "pytest", "-m", "gpu", "-o", "addopts=-ra --strict-markers", "-p", "no:cacheprovider",
             *gpu_test_files()]
@@ -163,13 +192,14 @@ def main() -> int:
         print(e, file=sys.stderr)
         return 2
     skip = {r["test"] for r in kept}
-    cmd = [*base, *args.pytest_args, f"--junitxml={junit}", *per_test_bound(args.test_timeout),
+    cmd = [*base, *args.pytest_args, "-p", "gridwright.evaluations.gpu_tier", *per_test_bound(args.test_timeout),
            *(f"--deselect={t}" for t in tier if test_name(t) in skip)]
     print("+", " ".join(cmd), flush=True)
-    run_pytest(cmd, args.budget)
+    # What is left of the budget, less the time the interruption and the file take
+    run_pytest(cmd, None if args.budget is None else max(1.0, args.budget - (time.monotonic() - started) - WRAP_UP_S), reports)
     call = f"{commit_here() or 'unknown'} {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}"
     ran = {n: {"test": n, "result": r, "seconds": s, "call": call, "reason": why}
-           for n, r, s, why in (outcomes(junit) if junit.exists() else [])}
+           for n, (r, s, why) in outcomes(reports).items()}
     by_name = {r["test"]: r for r in kept} | ran
     rows = [by_name.get(test_name(t)) or {"test": test_name(t), "result": "not run", "seconds": 0.0, "call": call,
                                          "reason": not_run_because(t in wanted, args.budget)}

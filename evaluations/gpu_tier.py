@@ -124,7 +124,7 @@ def collected(base: list[str], pytest_args: list[str]) -> list[str]:
     done = subprocess.run([*base, *selecting, "--collect-only", "-q"], cwd=REPO, capture_output=True, text=True)
     ids = [line.strip() for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not ids:
-        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or ["(nothing printed)"]
+        last = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:] or ["(nothing printed)"]
         raise NothingCollected(f"error: pytest collected no GPU tests here: {last[0]}")
     return ids
 

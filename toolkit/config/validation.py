@@ -25,6 +25,7 @@ from .schema import declared_choices
 from ..planning.machine_probe import host_memory_bytes, probe
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
 from ..versions.megatron_version import refusal as megatron_core_refusal
+from ..versions.torch_version import refusal as torch_refusal
 from ..planning.placement import Placement, plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan, predict_communication
 
@@ -654,13 +655,13 @@ LAYER_SPEC_WITHOUT_TE = ("engine.layer_spec=transformer_engine: Transformer Engi
                          "is absent).")
 
 
-def check_megatron_core(launcher, for_launch: bool) -> list[str]:
-    """The installed Megatron-Core must be the tested release (a local launch runs on this
-    machine; other launchers' workers check their own at import of megatron_internals)."""
+def check_tested_releases(launcher, for_launch: bool) -> list[str]:
+    """The installed Megatron-Core and torch must be tested releases (a local launch runs on
+    this machine; other launchers' workers check their own: at import of megatron_internals,
+    and torch's in runtime.worker)."""
     if not (for_launch and launcher.name == "local"):
         return []
-    problem = megatron_core_refusal()
-    return [problem] if problem else []
+    return [problem for problem in (megatron_core_refusal(), torch_refusal()) if problem]
 
 
 def check_engine(cfg, layout: ParallelLayout, for_launch: bool) -> list[str]:
@@ -1084,7 +1085,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
         problems += check_engine(cfg, layout, for_launch)
     problems += check_precision(cfg, for_launch)
     problems += check_torch_native_paths(cfg, for_launch)
-    problems += check_megatron_core(cfg.launcher, for_launch)
+    problems += check_tested_releases(cfg.launcher, for_launch)
     problems += check_tracking(cfg.tracking, cfg.launcher)
     problems += check_checkpoint(cfg)
     problems += check_data(cfg.data, cfg.model, cfg.parallel, cfg.launcher)

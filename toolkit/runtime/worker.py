@@ -276,6 +276,9 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     in bf16 while MFU divided by the FP8 peak."""
     from ..planning.machine_probe import transformer_engine_available
     from ..config.validation import fp8_machine_problems, layer_spec_machine_problems
+    from ..versions.torch_version import refuse_untested
+
+    refuse_untested()  # a Slurm or torchrun node's torch is seen only here
 
     te = cfg.cluster.device == "cuda" and transformer_engine_available()
     problems = fp8_machine_problems(cfg, te) + layer_spec_machine_problems(cfg.engine, cfg.parallel, te)

@@ -1,8 +1,8 @@
 """One tested release of a library gridwright reaches inside, and what happens with another.
 
 gridwright patches, repairs or calls private parts of Megatron-Core and DeepSpeed (behind
-`megatron_internals` and `deepspeed_internals`). Each patch is true of one release, so
-both fences work the same way: validation refuses another version in one line before
+`megatron_internals` and `deepspeed_internals`) and of torch. Each patch is true of one
+release (torch: of the two it is run on), so every fence works the same way: validation refuses another version in one line before
 anything starts, the fence refuses it again at import where a job's workers run, and an
 override environment variable lets a user try anyway, loudly.
 """
@@ -18,7 +18,7 @@ from typing import Callable, Optional
 class VersionFence:
     library: str  # as users name it: "Megatron-Core"
     pip_name: str  # as pip installs it: "megatron-core"
-    tested: str
+    tested: str  # the tested release; several: "2.13.0 2.11.0", the first the pin
     override: str  # the environment variable that lets another version run (=1)
     reaches: str  # what of gridwright's depends on the release, for the refusal
     fence_module: str  # where those patches live, for the warning
@@ -28,11 +28,14 @@ class VersionFence:
     def version_problem(self, version: str | None = None) -> str | None:
         """One line naming the problem with `version` (default: the installed one), or None."""
         version = self.installed_version() if version is None else version
-        if version == self.tested:
+        tested = self.tested.split()
+        if version is not None and version.split("+")[0] in tested:  # torch's "2.13.0+cpu" is 2.13.0
             return None
         found = "is not installed" if version is None else f"{version} is installed"
-        return (f"{self.library} {found}; gridwright is tested with {self.pip_name}=={self.tested} only "
-                f"({self.reaches} are that release's). Fix: pip install {self.pip_name}=={self.tested}, or set "
+        names = " or ".join(f"{self.pip_name}=={t}" for t in tested)
+        whose = "that release's" if len(tested) == 1 else "those releases'"
+        return (f"{self.library} {found}; gridwright is tested with {names} only "
+                f"({self.reaches} are {whose}). Fix: pip install {self.pip_name}=={tested[0]}, or set "
                 f"{self.override}=1 to try anyway.")
 
     def overridden(self) -> bool:

@@ -50,15 +50,17 @@ REFUSALS = {
     "experts_vs_ep": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "parallel.ep=8", "model.num_experts=12",
                               "launcher=plan"], ["parallel.ep=4"], 1),
     "ep_without_experts": (["parallel.ep=2"], ["parallel.ep=1"], 1),
-    # the rank grid (planning/layout.py): degrees lowered to divisors of their values
+    # the rank grid: the world size's fix changes the fewest degrees, nearest those asked,
+    # to a layout that passes every rule and fits (validation's _world_size_fix)
     "world_not_divisible": (GPU8 + ["model=llama3_8b", "parallel.tp=4", "parallel.pp=3", "model.num_layers=24",
-                                    "launcher=plan"], ["parallel.pp=1"], 1),
+                                    "launcher=plan"], ["parallel.pp=2"], 1),
+    # planning/layout.py alone once lowered tp=3 to tp=1 here, where Llama-3-8B does not fit
+    "world_not_divisible_fits": (["+experiment=llama3_8b", "parallel.tp=3", "launcher=plan"], ["parallel.tp=2"], 1),
     "world_not_divisible_with_sp_and_vpp": (GPU8 + ["model=llama3_8b", "parallel.tp=3", "parallel.sp=true",
                                                     "parallel.pp=3", "parallel.vpp=2", "model.num_layers=24",
                                                     "model.num_attention_heads=24", "model.num_query_groups=3",
                                                     "model.hidden_size=3072", "launcher=plan"],
-                                            ["parallel.tp=1", "parallel.pp=1", "parallel.sp=false", "parallel.vpp=null"],
-                                            1),
+                                            ["parallel.tp=1", "parallel.pp=2", "parallel.sp=false"], 1),
     "expert_grid": (MOE_CPU + ["parallel.ep=4"], ["parallel.ep=2"], 1),
     "sp_without_tp": (["parallel.sp=true"], ["parallel.sp=false"], 1),
     "vpp_without_pp": (["parallel.vpp=2"], ["parallel.vpp=null"], 1),
@@ -420,3 +422,13 @@ def test_te_delayed_scaling_is_told_of_the_float8_output_layer_where_te_is_insta
     assert speed_notes(followed) == []
     monkeypatch.setattr(importlib.util, "find_spec", real)
     assert speed_notes(compose_config(overrides)) == []  # without TE delayed scaling is refused, no note
+
+
+def test_the_model_divisions_are_reported_beside_the_world_size_and_share_its_fix():
+    """Every problem at once: a TP that neither divides the world nor the heads says both,
+    and each suggests the one fix that answers all of them."""
+    cfg, problems = refusal(["+experiment=llama3_8b", "parallel.tp=3", "launcher=plan"])
+    assert [p.split(" is not divisible")[0] for p in problems] == [
+        "world size 16 (cluster.nodes x cluster.gpus_per_node)", "model.num_attention_heads=32",
+        "model.num_query_groups=8", "model.ffn_hidden_size=14336"], problems
+    assert {fix_overrides(p)[0] for p in problems} == {"parallel.tp=2"}

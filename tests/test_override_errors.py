@@ -27,6 +27,10 @@ CASES = [
     (["cluster=nosuch"], f"error: no cluster option 'nosuch'. Choices: {options('cluster')}"),
     (["engine=megatorn"], "error: no engine option 'megatorn'. Did you mean megatron? Choices: deepspeed, megatron"),
     (["zero=stage9"], f"error: no zero option 'stage9'. Did you mean stage3? Choices: {options('zero')}"),
+    # A precision is offered only where it validates on this machine: mxfp8 (Blackwell) was
+    # offered for `fp8` on a CPU; fp8_rowwise runs here (torchao, emulated)
+    (["precision=fp8"], f"error: no precision option 'fp8'. Did you mean fp8_rowwise? Choices: {options('precision')}"),
+    (["precision=mxfp"], f"error: no precision option 'mxfp'. Choices: {options('precision')}"),
     (["parallel.tp=abc"], "error: parallel.tp must be an integer, not 'abc'."),
     (["train.steps=1.5"], "error: train.steps must be an integer, not '1.5'."),
     (["train.steps=[1,"], "error: cannot parse 'train.steps=[1,': no viable alternative at input '[1,'. "

@@ -84,7 +84,9 @@ def composition_error(config_name: str, point: list[str]) -> str | None:
         if e.options is None:  # the primary config itself
             return f"error: {joined(str(e))}"
         group, _, name = e.missing_cfg_file.rpartition("/")
-        return no_option_message(group, name, e.options)
+        runs_here = (lambda option: _validates_with(config_name, point, group, option)) \
+            if group in MACHINE_GROUPS else None
+        return no_option_message(group, name, e.options, runs_here)
     except HydraException as e:
         return composition_message(e, e.__cause__, point)
     try:
@@ -118,12 +120,40 @@ def unknown_key_message(e) -> str:
     return f"error: {key} is not a key of the experiment's schema (gridwright.config.schema).{hint}"
 
 
-def no_option_message(group: str, name: str, options: list[str]) -> str:
-    """A config group's option or an experiment preset that no yaml file of the group has."""
-    what = "experiment preset" if group == "experiment" else f"{group} option"
-    near = difflib.get_close_matches(name, options, n=1)
+# Groups whose options are what the machine can run: a misspelt one is offered only an option
+# that validates here (`precision=fp8` was offered mxfp8, which runs on Blackwell only).
+MACHINE_GROUPS = ("precision",)
+
+
+def no_option_message(group: str, name: str, options: list[str], runs_here=None) -> str:
+    """A config group's option or an experiment preset that no yaml file of the group has;
+    the hint is the nearest option (by spelling, or one containing the name), and with
+    `runs_here(option) -> bool`, the nearest that validates on this machine."""
+    def likeness(option: str) -> float:
+        return difflib.SequenceMatcher(None, name, option).ratio()
+
+    ranked = sorted(options, key=lambda o: (likeness(o), o), reverse=True)  # difflib's order of ties
+    near = [o for o in ranked if likeness(o) >= 0.6 or name in o]
+    if runs_here is not None:
+        near = [o for o in near if runs_here(o)]
     hint = f" Did you mean {near[0]}?" if near else ""
-    return f"error: no {what} '{name}'.{hint} Choices: {', '.join(options)}"
+    return f"error: no {what_is(group)} '{name}'.{hint} Choices: {', '.join(options)}"
+
+
+def what_is(group: str) -> str:
+    return "experiment preset" if group == "experiment" else f"{group} option"
+
+
+def _validates_with(config_name: str, point: list[str], group: str, option: str) -> bool:
+    """Whether the command line, with `option` for `group`, composes and validates for a launch here."""
+    from .validation import ConfigError, validate
+
+    swapped = [f"{o.split('=', 1)[0]}={option}" if o.lstrip("+~").split("=", 1)[0] == group else o for o in point]
+    try:
+        validate(strip_hydra(compose(config_name=config_name, overrides=swapped)), for_launch=True)
+    except (ConfigError, HydraException, OmegaConfBaseException):
+        return False
+    return True
 
 
 def wrong_value_message(e: ValidationError, point: list[str]) -> str:

@@ -233,8 +233,9 @@ def check_paths(cfg) -> list[str]:
     return out
 
 
-def check_model_split(model, train, layout: ParallelLayout) -> list[str]:
-    """The model's own shape, and how the layout splits it."""
+def check_model_split(model, train, layout: ParallelLayout, world_fix: str | None = None) -> list[str]:
+    """The model's own shape, and how the layout splits it. `world_fix`: the world-size
+    problem's Fix, which answers these too (it passes every rule), where the grid is broken."""
     m, out = model, []
     if m.num_attention_heads % m.num_query_groups:
         out.append(
@@ -251,7 +252,7 @@ def check_model_split(model, train, layout: ParallelLayout) -> list[str]:
             f"train.seq_length={train.seq_length} exceeds model.max_position_embeddings="
             f"{m.max_position_embeddings}. Fix: train.seq_length={m.max_position_embeddings}."
         )
-    return out + _division_problems(model, train, layout)
+    return out + _division_problems(model, train, layout, world_fix=world_fix)
 
 
 # What tensor parallelism splits, where the name does not say it
@@ -259,13 +260,17 @@ TP_SPLITS = {"model.num_query_groups": " (the key/value heads are split)",
              "model.vocab_size": " (Megatron-Core's vocabulary-parallel embedding splits it evenly)"}
 
 
-def _division_problems(model, train, layout: ParallelLayout, advise: bool = True) -> list[str]:
+def _division_problems(model, train, layout: ParallelLayout, advise: bool = True,
+                       world_fix: str | None = None) -> list[str]:
     """How the layout's degrees divide the model. With `advise`, each problem's Fix is a
-    degree tried against every layout rule (without, the rules only answer yes or no)."""
+    degree tried against every layout rule (without, the rules only answer yes or no), or
+    `world_fix` where one was found for a broken grid."""
     m, out = model, []
     tp, pp = layout.tp, layout.pp
 
     def fix(candidates, otherwise: str) -> str:
+        if advise and world_fix:
+            return f"Fix: {world_fix}"
         return _fix(_first_passing(m, train, candidates) if advise else None, otherwise)
 
     tp_fix = ""
@@ -1018,6 +1023,40 @@ def _bigger_layouts(cfg, more_nodes: bool) -> list[dict]:
     return out
 
 
+def _world_size_fix(cfg, layout: ParallelLayout) -> str | None:
+    """Where the world size is not divisible by TP*PP*CP: new degrees whose product divides
+    it and under which every layout, model and engine rule passes and the memory estimate
+    fits the GPU (planning.layout alone would lower the degrees to their divisors: tp=3 on
+    16 GPUs became tp=1, which does not fit Llama-3-8B on H100s). The fewest degrees
+    changed, then the nearest to those asked (lower first). None: the layout divides the
+    world, or nothing found (the layout's own suggestion stands)."""
+    world = layout.world_size
+    if world % layout.model_parallel_size:
+        names = ("tp", "pp", "cp")
+        options = [[getattr(layout, n)] + _near(getattr(layout, n), _divisors(world)) for n in names]
+        cap, candidates = cfg.cluster.gpu.memory_gib, []
+        for values in itertools.product(*options):
+            if world % math.prod(values):
+                continue
+            changed = {f"parallel.{n}": v for n, v, was in zip(names, values, (o[0] for o in options)) if v != was}
+            cost = sum(o.index(v) for o, v in zip(options, values))
+            candidates.append((len(changed), cost, changed))
+
+        def fits(tried, tried_layout) -> bool:
+            est = estimate_memory(tried, tried_layout)
+            return est is None or cap <= 0 or est.total_gib <= cap
+
+        for _, _, changed in sorted(candidates, key=lambda c: c[:2]):
+            tp = changed.get("parallel.tp", layout.tp)
+            sp = (layout.sp or bool(cfg.model.num_experts)) if tp > 1 else False
+            found = changed | ({"parallel.sp": sp} if sp != layout.sp else {})
+            if changed.get("parallel.pp", layout.pp) == 1 and layout.vpp is not None:
+                found["parallel.vpp"] = None
+            if _fits_with(cfg, found, fits):
+                return _words(found)
+    return None
+
+
 def check_memory(cfg, plan: Plan) -> list[str]:
     """The plan's per-GPU estimate (GPU clusters only) against the GPU's memory."""
     est, gpu = plan.memory, cfg.cluster.gpu
@@ -1074,10 +1113,12 @@ def validate(cfg, for_launch: bool = True) -> Plan:
     problems += check_choices(cfg) + count_problems + check_numbers(cfg) + check_paths(cfg)
     layout = ParallelLayout.from_config(cfg)
     counts_ok = not count_problems  # else the layout's arithmetic would divide by zero
-    layout_problems = layout.problems() if counts_ok else []
+    world_fix = _world_size_fix(cfg, layout) if counts_ok else None
+    layout_problems = layout.problems(dense_fix=world_fix) if counts_ok else []
     problems += layout_problems
+    if counts_ok:  # how the degrees divide the model, beside any grid problem: every problem at once
+        problems += check_model_split(cfg.model, cfg.train, layout, world_fix)
     if counts_ok and not layout_problems:
-        problems += check_model_split(cfg.model, cfg.train, layout)
         problems += check_context_parallel(cfg.train, layout, cfg.model)
         problems += check_cp_comm_type(cfg.parallel, cfg.data, cfg.model, layout)
         problems += check_batch(cfg.train, layout)

@@ -149,9 +149,11 @@ class ParallelLayout:
         return " ".join([f"parallel.{n}={v}" for n, v in changed.items()]
                         + [f"parallel.{n}={v}" for n, v in extra.items()])
 
-    def problems(self) -> list[str]:
+    def problems(self, dense_fix: str | None = None) -> list[str]:
         """Every way this layout cannot be built, each with the numbers and a fix; the
-        first suggestion of each grid fix is overrides that give a layout these rules accept."""
+        first suggestion of each grid fix is overrides that give a layout these rules accept.
+        `dense_fix`: the world-size problem's Fix, where the caller found one that passes
+        the rules this module does not know (the model's divisions, memory)."""
         out = []
         for name in ("tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
@@ -170,7 +172,7 @@ class ParallelLayout:
                 f"divisible by TP*PP*CP = {self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size} "
                 f"(parallel.tp={self.tp}, parallel.pp={self.pp}, parallel.cp={self.cp}), so "
                 "DP = world/(TP*PP*CP) is not a whole number. "
-                f"Fix: {self._grid_fix('dense', ('tp', 'pp', 'cp'))}, or other degrees whose product "
+                f"Fix: {dense_fix or self._grid_fix('dense', ('tp', 'pp', 'cp'))}, or other degrees whose product "
                 f"divides {self.world_size}."
             )
         if "expert" in broken:

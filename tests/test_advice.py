@@ -73,6 +73,12 @@ REFUSALS = {
     "global_batch": (["train.global_batch_size=7"], ["train.global_batch_size=8"], 1),
     "warmup_too_long": (["train.steps=2"], ["train.warmup_steps=0"], 1),
     "bad_name": (["name=../x"], ["name=my_run"], 1),
+    # the model's family: the one its shape belongs to
+    "family_unknown": (["model.family=lama"], ["model.family=llama"], 1),
+    "family_of_experts_for_a_dense_model": (["model.family=mixtral"], ["model.family=mistral"], 1),
+    "family_fixed_value": (["model.family=qwen2"], ["model.qkv_bias=true"], 1),
+    "choice_misspelt": (["train.recompute=ful"], ["train.recompute=full"], 1),
+    "zero_stage_out_of_range": (["zero.stage=-1"], ["zero.stage=0"], 1),
     # precision
     "fp8_preset_on_cpu": (["precision=fp8_delayed"], ["precision=bf16"], 1),
     "fp8_key_on_cpu": (["precision=bf16", "precision.fp8_recipe=delayed"], ["precision.fp8_recipe=null"], 1),
@@ -432,3 +438,21 @@ def test_the_model_divisions_are_reported_beside_the_world_size_and_share_its_fi
         "world size 16 (cluster.nodes x cluster.gpus_per_node)", "model.num_attention_heads=32",
         "model.num_query_groups=8", "model.ffn_hidden_size=14336"], problems
     assert {fix_overrides(p)[0] for p in problems} == {"parallel.tp=2"}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_answered_by_its_shape(tmp_path):
+    """A resume under another model shape is refused with the overrides that give the
+    checkpoint's shape: its own preset where another was chosen, else its values."""
+    from conftest import launch
+
+    ck = tmp_path / "ck"
+    saved = launch(["tracking=off", "train.steps=2", "train.warmup_steps=1", f"checkpoint.save={ck}",
+                    f"job_dir={tmp_path / 'job'}"], tmp_path)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    for overrides, first in ((["model.num_layers=2", "model.hidden_size=32"],
+                              ["model.num_layers=4", "model.hidden_size=64", "model.head_dim=16"]),
+                             (MOE_CPU, ["model=tiny_llama"]),
+                             (["model.family=qwen3"], ["model.family=llama"])):
+        taken = follow([f"checkpoint.load={ck}", "train.steps=4", *overrides])
+        assert taken == [first], taken

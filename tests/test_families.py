@@ -57,5 +57,5 @@ def test_a_fixed_field_is_held_to_its_value():
 
     assert family_problems(model("qwen2")) == []
     assert family_problems(model("qwen2", qkv_bias=False)) == [
-        "model.family=qwen2 with model.qkv_bias=False: the qwen2 family has qkv_bias=True."]
+        "model.family=qwen2 with model.qkv_bias=False: the qwen2 family has qkv_bias=True. Fix: model.qkv_bias=true."]
     assert "is a mixture of experts" in family_problems(model("qwen3_moe", num_experts=0))[0]

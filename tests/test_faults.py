@@ -168,9 +168,9 @@ def test_two_first_runs_at_once_share_a_fresh_store(tmp_path):
     (["+train.stpes=5"], "error: train.stpes is not a key of the experiment's schema (gridwright.config.schema). "
                          "Did you mean train.steps?"),
     (["launcher=slurm", "cluster.gpus_per_node=0"], "  - cluster.gpus_per_node=0 must be at least 1."),
-    (["launcher.max_restarts=-1"], "  - launcher.max_restarts=-1 must be 0 or more."),
+    (["launcher.max_restarts=-1"], "  - launcher.max_restarts=-1 must be 0 or more. Fix: launcher.max_restarts=0."),
     (["launcher=slurm", "launcher.gpu_request=gpus"], "  - launcher.gpu_request='gpus' is not one of auto, "
-                                                       "gpus_per_node, gres, none."),
+                                                       "gpus_per_node, gres, none. Fix: launcher.gpu_request=gpus_per_node."),
     (["--config-dir", "/nonexistent/conf"], "error: --config-dir /nonexistent/conf is not a directory."),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, expected):

@@ -310,6 +310,28 @@ def model_differences(recorded: dict, model_cfg) -> list[str]:
     return out
 
 
+def shape_fix(recorded: dict, model_cfg) -> str:
+    """The overrides that give the checkpoint's model shape: where it names another preset
+    that conf/model has, `model=NAME` and the values in which the checkpoint differs from
+    that preset; else the checkpoint's values where this model differs (the user's own
+    `model.KEY=` overrides of this preset are then overridden in turn)."""
+    from omegaconf import OmegaConf
+
+    from ..config.compose import CONF_DIR
+    from ..config.schema import ModelConfig
+
+    preset = CONF_DIR / "model" / f"{recorded.get('name')}.yaml"
+    words = []
+    if recorded.get("name") != model_cfg.get("name") and preset.is_file():
+        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset))
+        words.append(f"model={recorded['name']}")
+    for difference in model_differences(recorded, model_cfg):
+        key, _, rest = difference.partition("=")
+        value = rest.split(" (checkpoint: ", 1)[1][:-1]
+        words.append(f"{key}={'null' if value == 'None' else value.lower() if value in ('True', 'False') else value}")
+    return " ".join(words)
+
+
 def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = False, engine: str | None = None,
                      trust: bool = False) -> str | None:
     """Why `root` cannot be loaded (used by validation before anything starts): missing,
@@ -340,8 +362,8 @@ def describe_problem(root: str | os.PathLike, model_cfg=None, fallback: bool = F
     if model_cfg is not None and recorded:
         diffs = model_differences(recorded, model_cfg)
         if diffs:
-            hint = f" Fix: {common['model_yaml_hint']}" if common.get("model_yaml_hint") else ""
-            return (f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}." + hint)
+            fix = common.get("model_yaml_hint") or f"{shape_fix(recorded, model_cfg)} to resume it, or a checkpoint of this model."
+            return f"checkpoint.load={root} was written for another model shape: {', '.join(diffs)}. Fix: {fix}"
     return None
 
 

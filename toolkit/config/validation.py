@@ -6,6 +6,7 @@ user fixes a broken layout in one round instead of one error at a time.
 """
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import os
@@ -15,7 +16,7 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
-from ..families.hf_config import family_problems
+from ..families.hf_config import family_problems, fitting_family
 from ..engines.registry import is_known, rules
 from ..data.packing import longest_document
 from ..families.registry import FAMILIES
@@ -125,7 +126,13 @@ def check_choices(cfg) -> list[str]:
         if value is None and nullable:
             continue
         if value not in allowed:
-            out.append(f"{path}='{value}' is not one of {', '.join(allowed)}{' (or null)' if nullable else ''}.")
+            # one the value begins, else the nearest spelling; a family by the model's shape
+            # (its experts and fixed values)
+            near = fitting_family(dict(cfg.model)) if path == "model.family" else next(
+                (a for a in allowed if a.startswith(str(value))),
+                (difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.0) or [allowed[0]])[0])
+            out.append(f"{path}='{value}' is not one of {', '.join(allowed)}{' (or null)' if nullable else ''}. "
+                       f"Fix: {path}={near}.")
     if cfg.train.warmup_steps < 0:
         out.append(f"train.warmup_steps={cfg.train.warmup_steps} must be 0 (no warm-up) or positive. "
                    f"Fix: train.warmup_steps={max(0, cfg.train.steps // 10)}.")
@@ -135,9 +142,9 @@ def check_choices(cfg) -> list[str]:
             f"(the cosine decay needs steps after the warm-up). Fix: train.warmup_steps={cfg.train.steps // 10}."
         )
     if cfg.zero.stage not in (0, 1, 2, 3):
-        out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3.")
+        out.append(f"zero.stage={cfg.zero.stage} must be 0, 1, 2 or 3. Fix: zero.stage={min(max(cfg.zero.stage, 0), 3)}.")
     if cfg.launcher.max_restarts < 0:
-        out.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must be 0 or more.")
+        out.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must be 0 or more. Fix: launcher.max_restarts=0.")
     return out
 
 

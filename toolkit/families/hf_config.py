@@ -148,18 +148,32 @@ def family_problems(model: dict) -> list[str]:
     """How a gridwright model config departs from its family's declaration (validation
     and the exporter both refuse such a config)."""
     if model.get("family") not in FAMILIES:
-        return [f"model.family='{model.get('family')}' is not one of {', '.join(FAMILIES)}."]
+        return [f"model.family='{model.get('family')}' is not one of {', '.join(FAMILIES)}. "
+                f"Fix: model.family={fitting_family(model)}."]
     fam, out = FAMILIES[model["family"]], []
     if fam.experts != bool(model.get("num_experts")):
         out.append(f"model.family={fam.name} with model.num_experts={model.get('num_experts')}: the {fam.name} "
                    f"family is {'a mixture of experts' if fam.experts else 'dense'} (the family names the Hugging "
-                   "Face architecture).")
+                   f"Face architecture). Fix: model.family={fitting_family(model)}.")
     fixed = dict({"qkv_bias": False}, **fam.fixed)
     for key, value in fixed.items():
         if model.get(key) != value:
+            word = str(value).lower() if isinstance(value, bool) else value
             out.append(f"model.family={fam.name} with model.{key}={model.get(key)}: the {fam.name} family has "
-                       f"{key}={value}.")
+                       f"{key}={value}. Fix: model.{key}={word}.")
     return out
+
+
+def fitting_family(model: dict) -> str:
+    """The family this model's shape belongs to: dense or experts as the model is, with
+    every fixed value the model has; the nearest name to the one given first."""
+    import difflib
+
+    kind = [f for f in FAMILIES.values() if f.experts == bool(model.get("num_experts"))]
+    fitting = [f.name for f in kind if all(model.get(k) == v for k, v in dict({"qkv_bias": False}, **f.fixed).items())]
+    names = fitting or [f.name for f in kind]
+    near = difflib.get_close_matches(str(model.get("family")), names, n=1, cutoff=0.0)
+    return near[0] if near else names[0]
 
 
 def head_dim(model) -> int:

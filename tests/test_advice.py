@@ -364,6 +364,7 @@ def test_notes_suggest_nothing_chosen_and_lead_to_a_valid_experiment(name):
 
 
 GPU2 = ["+experiment=bench_gpu", "cluster=h100_x2"]
+GPU8_BENCH = ["+experiment=bench_gpu", "cluster=dgx_h100"]
 RECIPE_TP = "engine.compile_layers=true engine.tp_comm_overlap=true engine.cuda_graphs=layers"
 # name: (overrides, the settings the speed note names, or None for no note)
 SPEED_NOTES = {
@@ -378,6 +379,11 @@ SPEED_NOTES = {
     "cp_packed": (GPU2 + ["parallel.cp=2", "data.packing=true"], None),  # a2a is refused with packing
     "tp_sp_on_cpu": (["+experiment=tiny_llama_tp2", "parallel.sp=true"], None),
     "tp_without_sp": (GPU2 + ["parallel.tp=2"], None),  # async TP needs SP
+    # A note cites only a result of the layout's own model-parallel degrees (TP=2+SP, PP=1 here)
+    "tp_sp_over_dp4": (GPU8_BENCH + ["parallel.tp=2", "parallel.sp=true"], RECIPE_TP),
+    "tp4_sp_not_measured": (GPU8_BENCH + ["parallel.tp=4", "parallel.sp=true"], None),
+    "tp_sp_with_pp_not_measured": (GPU8_BENCH + ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2"], None),
+    "fp8_tensorwise_at_tp2_not_measured": (GPU8_BENCH + ["parallel.tp=2", "precision=fp8_tensorwise"], None),
     # torchao's tensorwise FP8 (auto picks it: Transformer Engine is not installed here)
     "fp8_tensorwise": (GPU2 + ["precision=fp8_tensorwise"], "precision.fp8_output_layer=true"),
     "fp8_output_chosen": (GPU2 + ["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], None),

@@ -16,24 +16,26 @@ TP_SP_RECIPE = Recipe(
     (("engine.compile_layers", True), ("engine.tp_comm_overlap", True), ("engine.cuda_graphs", "layers")),
     "TP=2+SP of the bench model ran 40.6 % MFU with them against 33.3 % eager, and the Llama-3-8B shape "
     "43.6 % (2 x H200, evaluations/results/bench_gpu_performance_2xh200.md); async TP without "
-    "CUDA graphs was slower than eager there")
+    "CUDA graphs was slower than eager there", (("tp", 2), ("sp", True), ("pp", 1), ("cp", 1), ("ep", 1)))
 CP_RECIPE = Recipe(
     (("parallel.cp_comm_type", "a2a"),),
     "CP=2 of the bench model ran 36.9 % MFU by all-to-all against 33.3 % by all-gather in one call "
-    "(2 x H200, bench_gpu_2xh200_20261128-2016.md, evaluations/results at commit 8871d16)")
+    "(2 x H200, bench_gpu_2xh200_20261128-2016.md, evaluations/results at commit 8871d16)",
+    (("tp", 1), ("pp", 1), ("cp", 2), ("ep", 1)))
+ONE_GPU = (("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1))
 # Measured on 1 x H200 (docs/performance.md, "FP8's loss on real text").
 FP8_OUTPUT_RECIPE = Recipe(
     (("precision.fp8_output_layer", True),),
     "the Llama-3-8B shape (16 layers) ran 1.29x bf16 with it against 1.24x without (1 x H200, "
     "bench_gpu_1xh200_20261129-0023.md, evaluations/results at commit 8871d16), and over four seeds of 300 steps on real text "
     "its final loss was 0.90 % above bf16 on average against 3.31 % without (docs/performance.md at commit "
-    "8871d16)")
+    "8871d16)", ONE_GPU)
 
 TE_FP8_OUTPUT_RECIPE = Recipe(
     (("precision.fp8_output_layer", True),),
     "under Transformer Engine's delayed scaling the Llama-3-8B shape (16 layers) ran 1.46x the compiled "
     "torch-native bf16 with it against 1.39x without, in one call (1 x H200, "
-    "evaluations/results/bench_gpu_te_1xh200.md); its loss under TE was not measured")
+    "evaluations/results/bench_gpu_te_1xh200.md); its loss under TE was not measured", ONE_GPU)
 
 
 def measured_recipes(cfg, layout) -> list[Recipe]:
@@ -51,7 +53,7 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
         out.append(FP8_OUTPUT_RECIPE)
     elif cfg.precision.fp8_recipe == "delayed" and backend == "transformer_engine":
         out.append(TE_FP8_OUTPUT_RECIPE)
-    return out
+    return [recipe for recipe in out if recipe.measured_for(layout)]
 
 
 def _fp8_backend_planned(engine, precision) -> str | None:

@@ -40,10 +40,17 @@ class Capabilities:
 @dataclass(frozen=True)
 class Recipe:
     """Settings measured faster for a layout: `settings` are (dotted key, value) pairs,
-    `measured` says what they gave, where, and the results file that says so."""
+    `measured` says what they gave, where, and the results file that says so, and
+    `measured_at` the model-parallel degrees of the layout it was measured on: a plan
+    names it only for a layout of those degrees (a TP=2 result says nothing of TP=8).
+    The data-parallel size may differ: the recipes act inside a model-parallel group."""
 
     settings: tuple[tuple[str, object], ...]
     measured: str
+    measured_at: tuple[tuple[str, object], ...] = ()
+
+    def measured_for(self, layout) -> bool:
+        return all(getattr(layout, degree) == value for degree, value in self.measured_at)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ def sweep(tmp: Path, *args) -> Path:
     result = launch(["-m", *args, f"job_root={tmp / 'jobs'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"],
                     cwd=tmp, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (tmp / "stdout.txt").write_text(result.stdout)
     (sweep_dir,) = (tmp / "jobs" / "sweeps" / "tiny_llama").iterdir()
     return sweep_dir
 
@@ -158,6 +159,10 @@ def test_plan_sweep_is_one_parent_with_a_nested_run_per_point(plan_sweep):
     assert planned["derived.dp"] == "1" and planned["derived.accumulation"] == "4" and planned["parallel.tp"] == "2"
     invalid = runs["tiny_llama tp3-dp0"]
     assert invalid.data.tags["gridwright.error"].startswith(INVALID_TP3) and invalid.data.params["parallel.tp"] == "3"
+    out = (tmp / "stdout.txt").read_text()
+    assert f"see it: mlflow ui --backend-store-uri sqlite:///{tmp / 'mlflow.db'} (port 5000, its default, " \
+           "which the links below assume)" in out
+    assert "compare: http://127.0.0.1:5000/" in out and "chart: " not in out  # nothing trained: no chart made
 
 
 def test_single_plan_does_not_touch_mlflow(tmp_path):
@@ -180,6 +185,7 @@ def test_training_sweep_nests_finished_runs_and_compares_them(training_sweep):
             client.get_metric_history(run.info.run_id, "loss")[-1].value, abs=5e-5)
         assert {"config.yaml", "plan.json", "summary.json", "metrics.jsonl"} <= artifacts(client, run)
     assert {"comparison.md", "comparison.csv", "throughput.png", "points.png"} <= artifacts(client, parent)
+    assert f"/runs/{parent.info.run_id}/artifacts/points.png" in (training_sweep[0] / "stdout.txt").read_text()
     best = parent.data.tags["gridwright.best_point"]
     assert best in ("#0 tiny_llama dp2", "#1 tiny_llama tp2-dp1")
     best_run = runs[best.split(" ", 1)[1]]  # the parent's row shows the best point's numbers

@@ -471,7 +471,7 @@ def where_to_see(uri: str, run_id: str) -> list[str]:
     if base is None:
         return lines
     if base == runs_view.LOCAL_UI:
-        lines.append(f"            see it: mlflow ui --backend-store-uri {uri}")
+        lines.append(see_it(uri))
     lines.append(f"            compare: {runs_view.runs_table_url(base, exp_id)}")
     lines.append(f"            this run: {runs_view.run_url(base, exp_id, run_id)}")
     return lines
@@ -567,7 +567,15 @@ def sweep_links(uri: str, parent_run_id: str) -> list[str]:
     if base is None:
         return []
     exp_id = client_for(uri).get_run(parent_run_id).info.experiment_id
-    lines = [f"            see it: mlflow ui --backend-store-uri {uri}"] if base == runs_view.LOCAL_UI else []
+    lines = [see_it(uri)] if base == runs_view.LOCAL_UI else []
     lines.append(f"            compare: {runs_view.runs_table_url(base, exp_id, runs_view.sweep_view_key(parent_run_id))}")
-    lines.append(f"            chart: {runs_view.run_url(base, exp_id, parent_run_id, POINTS_PNG)}")
+    if any(f.path == POINTS_PNG for f in client_for(uri).list_artifacts(parent_run_id)):  # a plan-only sweep has none
+        lines.append(f"            chart: {runs_view.run_url(base, exp_id, parent_run_id, POINTS_PNG)}")
     return lines
+
+
+def see_it(uri: str) -> str:
+    """How to serve a local store, and the address the links after it assume."""
+    port = runs_view.LOCAL_UI.rsplit(":", 1)[1]
+    return (f"            see it: mlflow ui --backend-store-uri {uri} (port {port}, its default, "
+            "which the links below assume)")

@@ -45,6 +45,7 @@ from ..families.hf_config import (
     transformers_config,
 )
 from ..versions.megatron_version import refusal as megatron_core_refusal
+from ..runtime.known_warnings import filter_known_warnings
 from ..versions.torch_version import refusal as torch_refusal
 from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
@@ -555,6 +556,7 @@ def _digest_verifier(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    filter_known_warnings("cpu")  # the converter runs on the CPU: DeepSpeed's warning that it found no GPU
     guard_process(trust=getattr(args, "trust_pickled_code", False))  # before any checkpoint file is read
     untested = megatron_core_refusal() or torch_refusal()
     if not untested and args.direction.startswith("deepspeed-"):

@@ -97,6 +97,9 @@ def to_hf_verified(ck: Path, out: Path, stage: int) -> None:
     hf = convert("deepspeed-to-hf", "--deepspeed", str(ck), "--out", str(out), "--verify")
     assert hf.returncode == 0, hf.stderr[-3000:]
     assert "against the DeepSpeed engine's own forward at save (fp32) (ok" in hf.stdout
+    chatter = ("Setting accelerator to CPU", "Processing zero checkpoint", "Detected checkpoint of type",
+               "Reconstructed", "Loading checkpoint shards", "Parsing checkpoint created")  # DeepSpeed's own
+    assert not [c for c in chatter if c in hf.stdout + hf.stderr], hf.stdout + hf.stderr
     record = json.loads((out / "conversion.json").read_text())
     assert record["verify"]["max_abs_diff"] <= 1e-4 and record["source_settings"]["zero_stage"] == stage
 

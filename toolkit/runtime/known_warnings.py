@@ -79,6 +79,9 @@ LOG_MESSAGES = (
      "Llama 3.1's rope scaling names the 8192 positions it was pre-trained on (families/llama.py); a model "
      "given fewer positions (the tiny models: 256) computes the same frequencies, which the converter's "
      "logits check compares with Megatron-Core's. Printed once per config object (twice per tiny model)"),
+    ("DeepSpeed", r"^Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it",
+     "DeepSpeed 0.19.8 warns when it finds no GPU: the converter reads checkpoints on the CPU by design, and a "
+     "training run names its device itself (cluster.device)"),
 )
 
 # Lines libraries print with print(): (regex, why). Dropped only around the call named.
@@ -87,6 +90,12 @@ PRINTED = (
      "DeepSpeed 0.19.8 prints it from every rank each time a C++ op loads, from torch's cache too "
      "(deepspeed/comm/torch.py, build_shm_op); gridwright says itself when an op is compiled and how long "
      "that took (engines.deepspeed_engine)"),
+    (r"^(Processing zero checkpoint '|Detected checkpoint of type zero stage |Reconstructed (Frozen |Trainable )?fp32 "
+     r"state dict with |Parsing checkpoint created by deepspeed==)",
+     "DeepSpeed 0.19.8's zero_to_fp32 narrates each step of reassembling ZeRO partitions; the converter says "
+     "what it read and wrote itself"),
+    (r"Loading checkpoint shards: ",
+     "the same reassembly's progress bar (tqdm, on stderr), over files read in well under a second"),
 )
 
 # Lines C++ writes straight to file descriptor 2: (regex, why). Dropped only around the call named.
@@ -149,15 +158,17 @@ class _LineFilter(io.TextIOBase):
 @contextlib.contextmanager
 def printed_lines_filtered():
     """Drop the PRINTED lines that Python code prints while this block runs; every other
-    line passes, in order. Only sys.stdout is wrapped, and only for the block."""
-    out = sys.stdout
-    filtered = _LineFilter(out, PRINTED)
+    line passes, in order. sys.stdout and sys.stderr are wrapped, only for the block."""
+    out, err = sys.stdout, sys.stderr
+    filtered_out, filtered_err = _LineFilter(out, PRINTED), _LineFilter(err, PRINTED)
     try:
-        with contextlib.redirect_stdout(filtered):
+        with contextlib.redirect_stdout(filtered_out), contextlib.redirect_stderr(filtered_err):
             yield
     finally:
-        filtered.close_pending()
+        filtered_out.close_pending()
+        filtered_err.close_pending()
         out.flush()
+        err.flush()
 
 
 @contextlib.contextmanager

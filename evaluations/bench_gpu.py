@@ -277,6 +277,17 @@ TE_GRAPHS = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
 }.items()}
+# Micro-batch and recompute for TE FP8 (delayed scaling, float8 output layer) on the 8B
+# shape, each a whole global batch of 8 sequences (micro-batch 4 fits one H200 only with full
+# recompute, by the memory estimate): which one a user of one H200 should pick,
+# beside the torch-native bf16 baseline of the same call.
+TE_FP8_BEST = TE_DELAYED + FP8_OUTPUT
+TE_CHOICES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
+    **{f"llama3_8b_16l_1gpu_mb{mb}_te_fp8_delayed_output{'_' + recompute if recompute != 'none' else ''}":
+       (1, LLAMA3_8B_16L_1GPU_MB2 + TE_FP8_BEST + [f"train.micro_batch_size={mb}", f"train.recompute={recompute}"])
+       for mb, recompute in ((1, "none"), (2, "none"), (2, "selective"), (4, "full"), (8, "full"))},
+}.items()}
 # Packed documents (32k rows, uncompiled): TE's THD fused attention against the
 # torch-native spec's varlen flash kernel.
 TE_PACKED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
@@ -286,8 +297,9 @@ TE_PACKED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
 
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
           "varlen_2gpu": VARLEN_2GPU, "te": TE_SUITE, "te_graphs": TE_GRAPHS, "te_packed": TE_PACKED,
+          "te_choices": TE_CHOICES,
           "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU, **TE_SUITE, **TE_GRAPHS,
-                  **TE_PACKED}}
+                  **TE_PACKED, **TE_CHOICES}}
 
 
 def device_overrides() -> list[str]:

@@ -7,12 +7,13 @@ import re
 import pytest
 from conftest import REPO
 
+from gridwright.evaluations.bench_gpu import SUITES
 from gridwright.evaluations.results_file import results_path, write_json, write_markdown
 
 RESULTS = REPO / "evaluations" / "results"
 # Each script's benchmark names (bench_gpu: one per suite), and the hand-made comparisons.
 BENCHMARKS = {
-    *(f"bench_gpu_{suite}" for suite in ("performance", "engines", "zero_speed", "varlen", "varlen_2gpu", "te", "all")),
+    *(f"bench_gpu_{suite}" for suite in SUITES),
     "bench_wgrad_gemm", "bench_convert", "bench_plan", "bench_dynamic_cp", "verify_conversions", "gpu_tier",
     "fp8_loss_check", "fp8_loss_check_te", "varlen_loss_check", "eval_sweep", "validate_traces_megatron",
     "validate_traces_deepspeed", "comm_profile",

@@ -26,7 +26,7 @@ import pytest
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Every installed package (gridwright.conf holds YAML only).
 PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
-FLOOR_0 = ("gridwright.atomic_io", "gridwright.path_rules", "gridwright.process_exit", "gridwright.config.schema", "gridwright.config.fp8_choice", "gridwright.config.compose", "gridwright.planning.layout",
+FLOOR_0 = ("gridwright.atomic_io", "gridwright.conf_dir", "gridwright.path_rules", "gridwright.process_exit", "gridwright.config.schema", "gridwright.config.fp8_choice", "gridwright.config.compose", "gridwright.planning.layout",
            "gridwright.planning.placement", "gridwright.planning.model_math", "gridwright.planning.memory_estimate",
            "gridwright.planning.comm_model", "gridwright.planning.disk_space", "gridwright.planning.plan",
            "gridwright.versions", "gridwright.families.declaration",

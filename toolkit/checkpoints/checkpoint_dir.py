@@ -317,13 +317,13 @@ def shape_fix(recorded: dict, model_cfg) -> str:
     `model.KEY=` overrides of this preset are then overridden in turn)."""
     from omegaconf import OmegaConf
 
-    from ..config.compose import CONF_DIR
-    from ..config.schema import ModelConfig
+    from ..conf_dir import CONF_DIR
 
     preset = CONF_DIR / "model" / f"{recorded.get('name')}.yaml"
     words = []
     if recorded.get("name") != model_cfg.get("name") and preset.is_file():
-        model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset))
+        # the preset's own keys (a key it leaves to the schema's default is compared once it is chosen)
+        model_cfg = OmegaConf.load(preset)
         words.append(f"model={recorded['name']}")
     for difference in model_differences(recorded, model_cfg):
         key, _, rest = difference.partition("=")

@@ -6,26 +6,13 @@ tests and tools use `compose_config` with the same config tree.
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from ..conf_dir import CONF_DIR
 from .schema import RunConfig
-
-def _conf_dir() -> Path:
-    """GRIDWRIGHT_CONF if set; else the installed package's `conf/` (a wheel carries it as
-    package data), else the repository's (`toolkit/../conf`, an editable install)."""
-    if os.environ.get("GRIDWRIGHT_CONF"):
-        return Path(os.environ["GRIDWRIGHT_CONF"])
-    package = Path(__file__).resolve().parents[1]  # gridwright/ (toolkit/ in the repository)
-    return package / "conf" if (package / "conf" / "config.yaml").is_file() else package.parent / "conf"
-
-
-CONF_DIR = _conf_dir()
-
 
 def register_schema() -> None:
     """Make the typed schema the base of conf/config.yaml (its `run_schema` default)."""

@@ -289,7 +289,9 @@ def test_missing_dataset_fix_is_carried_out(places):
     assert text in problems[0] and fix_overrides(problems[0]) is None
     command = problems[0].split("Fix: ", 1)[1].split()
     assert command[:3] == ["python", "-m", "gridwright.data.prepare_data"]
-    corpus = write_jsonl(places["missing"].parent / "corpus.jsonl", 60)
+    # as many documents as it says the split needs, and no more: the split does not fail next
+    assert "; data.split='98/2/0' needs 50 documents at least. Fix: " in problems[0], problems[0]
+    corpus = write_jsonl(places["missing"].parent / "corpus.jsonl", 50)
     argv = [str(corpus) if word == "YOUR_TEXT.jsonl" else word for word in command[3:]]
     taken = follow(overrides, actions={text: lambda: prepare_main(argv)})
     assert taken == [["(action)"], ["model.vocab_size=257"]] and len(taken) == steps

@@ -710,8 +710,10 @@ def check_data(data, model, parallel, launcher) -> list[str]:
     for prefix in d.paths:
         missing = [prefix + s for s in (".bin", ".idx") if not os.path.exists(prefix + s)]
         if missing:
-            out.append(f"dataset files missing: {', '.join(missing)}. Fix: python -m gridwright.data.prepare_data "
-                       f"--input YOUR_TEXT.jsonl --output-prefix {prefix}")
+            needed = _documents_needed(d.split)
+            out.append(f"dataset files missing: {', '.join(missing)}"
+                       + (f"; data.split='{d.split}' needs {needed} documents at least" if needed else "")
+                       + f". Fix: python -m gridwright.data.prepare_data --input YOUR_TEXT.jsonl --output-prefix {prefix}")
             continue
         try:
             info = dataset_info(prefix)
@@ -748,6 +750,18 @@ def _remake_dataset(prefix: str, info: dict) -> str:
     files = " ".join(quote(prefix + s) for s in (".bin", ".idx", ".json"))
     return (f"rm {files} && python -m gridwright.data.prepare_data --input {inputs} "
             f"--output-prefix {quote(prefix)} --tokenizer {quote(info.get('tokenizer', 'byte'))}")
+
+
+def _documents_needed(split: str) -> int | None:
+    """The fewest documents that give each nonzero share of `split` one (said before a
+    dataset is prepared, so that preparing it does not fail on the split next); None for a
+    split that does not parse (said where the dataset is read)."""
+    try:
+        shares = [float(x) for x in split.replace("/", ",").split(",")][:3]
+    except ValueError:
+        return None
+    positive = [share for share in shares if share > 0]
+    return max(math.ceil(sum(shares) / share - 1e-9) for share in positive) if positive else None
 
 
 def _data_split_problems(prefix: str, documents: int, data) -> list[str]:

@@ -78,11 +78,9 @@ def outcomes(reports: Path) -> dict[str, tuple[str, float, str]]:
         r = json.loads(line)
         result = {"passed": "passed", "skipped": "skipped"}.get(r["outcome"], "failed")
         before, seconds, why = out.get(r["test"], ("passed", 0.0, ""))
-        if before != "passed":  # the first phase that did not pass decides
-            result, why = before, why
-        else:
-            why = r["reason"] if result != "passed" else ""
-        out[r["test"]] = (result, seconds + r["seconds"], why)
+        if before == "passed":  # else the first phase that did not pass decides
+            before, why = result, r["reason"] if result != "passed" else ""
+        out[r["test"]] = (before, seconds + r["seconds"], why)
     return out
 
 
@@ -204,7 +202,8 @@ def main() -> int:
     rows = [by_name.get(test_name(t)) or {"test": test_name(t), "result": "not run", "seconds": 0.0, "call": call,
                                          "reason": not_run_because(t in wanted, args.budget)}
             for t in tier]
-    rows += [r for n, r in ran.items() if n not in {row["test"] for row in rows}]  # none, unless collection erred
+    listed = {row["test"] for row in rows}
+    rows += [r for n, r in ran.items() if n not in listed]  # none, unless collection erred
     passed = sum(r["result"] == "passed" for r in rows)
     verdict = "passed" if rows and passed == len(rows) else "FAILED"
     calls = sorted({r["call"] for r in rows})

@@ -293,8 +293,8 @@ def read_common(path: str | os.PathLike, trust: bool | None = None) -> dict:
     return load_torch_file(Path(path) / "common.pt", trust=trust)["common"]
 
 
-def model_differences(recorded: dict, model_cfg) -> list[str]:
-    """Fields of the model config that differ from the one a checkpoint was written for."""
+def _differing(recorded: dict, model_cfg) -> list[tuple[str, object, object]]:
+    """(key, this config's value, the checkpoint's) for each model field that differs."""
     from ..families.hf_config import head_dim
 
     out = []
@@ -303,11 +303,15 @@ def model_differences(recorded: dict, model_cfg) -> list[str]:
             continue
         if key == "head_dim":  # a size: None means hidden / heads
             if head_dim(recorded) != head_dim(model_cfg):
-                out.append(f"model.head_dim={head_dim(model_cfg)} (checkpoint: {head_dim(recorded)})")
-            continue
-        if model_cfg[key] != value:
-            out.append(f"model.{key}={model_cfg[key]} (checkpoint: {value})")
+                out.append((key, head_dim(model_cfg), head_dim(recorded)))
+        elif model_cfg[key] != value:
+            out.append((key, model_cfg[key], value))
     return out
+
+
+def model_differences(recorded: dict, model_cfg) -> list[str]:
+    """Fields of the model config that differ from the one a checkpoint was written for."""
+    return [f"model.{key}={here} (checkpoint: {there})" for key, here, there in _differing(recorded, model_cfg)]
 
 
 def shape_fix(recorded: dict, model_cfg) -> str:
@@ -325,10 +329,9 @@ def shape_fix(recorded: dict, model_cfg) -> str:
         # the preset's own keys (a key it leaves to the schema's default is compared once it is chosen)
         model_cfg = OmegaConf.load(preset)
         words.append(f"model={recorded['name']}")
-    for difference in model_differences(recorded, model_cfg):
-        key, _, rest = difference.partition("=")
-        value = rest.split(" (checkpoint: ", 1)[1][:-1]
-        words.append(f"{key}={'null' if value == 'None' else value.lower() if value in ('True', 'False') else value}")
+    for key, _, value in _differing(recorded, model_cfg):
+        word = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        words.append(f"model.{key}={word}")
     return " ".join(words)
 
 

@@ -26,11 +26,8 @@ def check_choices(cfg) -> list[str]:
         if value is None and nullable:
             continue
         if value not in allowed:
-            # one the value begins, else the nearest spelling; a family by the model's shape
-            # (its experts and fixed values)
-            near = fitting_family(dict(cfg.model)) if path == "model.family" else next(
-                (a for a in allowed if a.startswith(str(value))),
-                (difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.0) or [allowed[0]])[0])
+            # a family by the model's shape (its experts and fixed values)
+            near = fitting_family(dict(cfg.model)) if path == "model.family" else _nearest_choice(str(value), allowed)
             out.append(f"{path}='{value}' is not one of {', '.join(allowed)}{' (or null)' if nullable else ''}. "
                        f"Fix: {path}={near}.")
     if cfg.train.warmup_steps < 0:
@@ -46,6 +43,12 @@ def check_choices(cfg) -> list[str]:
     if cfg.launcher.max_restarts < 0:
         out.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must be 0 or more. Fix: launcher.max_restarts=0.")
     return out
+
+
+def _nearest_choice(value: str, allowed) -> str:
+    """The choice `value` begins, else the one nearest in spelling."""
+    begun = [a for a in allowed if a.startswith(value)]
+    return (begun or difflib.get_close_matches(value, list(allowed), n=1, cutoff=0.0) or [allowed[0]])[0]
 
 
 def check_counts(model, train, cluster) -> list[str]:

@@ -155,13 +155,17 @@ def family_problems(model: dict) -> list[str]:
         out.append(f"model.family={fam.name} with model.num_experts={model.get('num_experts')}: the {fam.name} "
                    f"family is {'a mixture of experts' if fam.experts else 'dense'} (the family names the Hugging "
                    f"Face architecture). Fix: model.family={fitting_family(model)}.")
-    fixed = dict({"qkv_bias": False}, **fam.fixed)
-    for key, value in fixed.items():
+    for key, value in _fixed_values(fam).items():
         if model.get(key) != value:
             word = str(value).lower() if isinstance(value, bool) else value
             out.append(f"model.family={fam.name} with model.{key}={model.get(key)}: the {fam.name} family has "
                        f"{key}={value}. Fix: model.{key}={word}.")
     return out
+
+
+def _fixed_values(family) -> dict:
+    """The values a family's models must have (no QKV bias unless the family says so)."""
+    return dict({"qkv_bias": False}, **family.fixed)
 
 
 def fitting_family(model: dict) -> str:
@@ -170,7 +174,7 @@ def fitting_family(model: dict) -> str:
     import difflib
 
     kind = [f for f in FAMILIES.values() if f.experts == bool(model.get("num_experts"))]
-    fitting = [f.name for f in kind if all(model.get(k) == v for k, v in dict({"qkv_bias": False}, **f.fixed).items())]
+    fitting = [f.name for f in kind if all(model.get(k) == v for k, v in _fixed_values(f).items())]
     names = fitting or [f.name for f in kind]
     near = difflib.get_close_matches(str(model.get("family")), names, n=1, cutoff=0.0)
     return near[0] if near else names[0]

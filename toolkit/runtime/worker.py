@@ -342,12 +342,13 @@ def train(job_dir: Path) -> int:
 
 
 # Set once a CUDA run starts: the process then ends at once (process_tree.exit_at_once), without destructors,
-# whichever way training ends. A failed rank on any device ends at once too: its error is recorded,
-# and a rank still tearing down when a peer that learnt of its failure has exited is
-# SIGTERMed by torchrun, which then records -15 for it, not the rank's own exit code. A run with CUDA graphs leaves its NCCL groups to that exit
+# whichever way training ends. A run with CUDA graphs leaves its NCCL groups to that exit
 # (megatron_engine.open_trainer says why); and on 1 x H200 (torch 2.11, TE 2.19) a TE run
 # of packed documents stayed alive after it had written its summary, its groups already
 # destroyed, until its agent was stopped. Everything a run records is written by then.
+# A failed rank on any device ends at once too (main's return code): one still tearing
+# down when a peer that learnt of its failure has exited is SIGTERMed by torchrun, which
+# then records -15 for it, not the rank's own exit code.
 _LEAVE_GROUPS_TO_EXIT = False
 
 

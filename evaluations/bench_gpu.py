@@ -14,10 +14,9 @@ the same invocation.
 The `performance` suite (the default) runs each layout as it was (`..._base`: the
 torch-native spec uncompiled, Megatron-Core's SP communication) and with the faster
 paths: compiled layers, async TP, FP8 through torchao. The `te` suite runs Transformer
-Engine's layer spec (bf16, each FP8 recipe, micro-batch for FP8, the float8 output layer)
-beside the torch-native spec's best bf16 and FP8 rows; `te_graphs` runs CUDA graphs on TE's
-layers beside the same runs eager, and `te_packed` packed documents through TE's THD
-attention beside the torch-native varlen kernel.
+Engine's layer spec (bf16, each FP8 recipe, the float8 output layer, CUDA graphs on its
+layers, micro-batch and recompute for FP8, packed documents through its THD attention)
+beside the torch-native spec's best bf16 and FP8 rows and its varlen kernel.
 
 `--one-gpu-cases-side-by-side` runs the one-GPU cases two at a time, one per GPU (the
 table says so): it halves their wall time where device time is short, at the price of a
@@ -30,6 +29,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -241,65 +241,46 @@ def varlen_suite(gpus: int, prefix: str) -> dict:
 
 VARLEN = varlen_suite(4, "varlen")
 VARLEN_2GPU = varlen_suite(2, "varlen2")
-# Transformer Engine's layer spec (its fused linears, norms, rotary and cuDNN attention)
-# beside the torch-native spec's best paths, in one call: bf16, each FP8 recipe, FP8 at
-# micro-batch 1 (micro-batch 4 does not fit one H200 without full recompute, by the
-# memory estimate). Two questions have suites of their own, so that each fits one call
-# beside its baseline: CUDA graphs on TE layers (`te_graphs`) and packed documents through
-# TE's THD attention (`te_packed`).
+# Transformer Engine's layer spec beside the torch-native spec's best paths, every TE
+# question in one suite so that one call (and one results file) holds them side by side.
+# The cases run in this order, so that a call cut short by its machine's time keeps the
+# rows that matter most: the 8B shape (bf16, FP8 delayed with and without the float8
+# output layer, CUDA graphs), packed documents through TE's THD attention against the
+# torch-native varlen kernel (32k rows, uncompiled), the bench model (host-bound: TE
+# eager, CUDA graphs), micro-batch and recompute for TE FP8 on the 8B shape (micro-batch 4
+# fits one H200 only with full recompute, by the memory estimate), then the other recipes.
 TE = ["engine.layer_spec=transformer_engine"]
 VARLEN_1GPU = VARLEN_BASE + ["cluster=h100_x1", "train.global_batch_size=2"]
 FP8_OUTPUT = ["precision.fp8_output_layer=true"]
 TE_DELAYED, TE_CURRENT, TE_BLOCKWISE = (TE + ["precision=fp8_delayed"], TE + ["precision=fp8_tensorwise"],
                                         TE + ["precision=fp8_blockwise"])
+TE_FP8_BEST = TE_DELAYED + FP8_OUTPUT
 TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
-    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
-        "precision=fp8_tensorwise", "engine.layer_spec=torch_native", "precision.fp8_output_layer=true"]),
     "llama3_8b_16l_1gpu_mb2_te": (1, LLAMA3_8B_16L_1GPU_MB2 + TE),
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE),
-    "llama3_8b_16l_1gpu_mb1_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + ["train.micro_batch_size=1"]),
     # the output layer (outside TE's layers) through torchao's tensorwise float8 matmul
-    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + FP8_OUTPUT),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_current_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT + FP8_OUTPUT),
-    "bench_1b_1gpu_te_fp8_delayed": (1, BENCH_1GPU + TE_DELAYED),
-    "bench_1b_1gpu_te_fp8_current": (1, BENCH_1GPU + TE_CURRENT),
-    "bench_1b_1gpu_te_fp8_blockwise": (1, BENCH_1GPU + TE_BLOCKWISE),
-}.items()}
-# Megatron-Core's CUDA graphs (per layer) on TE's layers, each beside the same run eager:
-# on the bench model, whose step is host-bound, and on the 8B shape in FP8.
-TE_GRAPHS = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_FP8_BEST),
+    # Megatron-Core's CUDA graphs (per layer) on TE's layers
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
+    "varlen1_te": (1, VARLEN_1GPU + TE),
+    "varlen1_torch_native": (1, VARLEN_1GPU + ["engine.layer_spec=torch_native"]),
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
     "bench_1b_1gpu_te": (1, BENCH_1GPU + TE),
     "bench_1b_1gpu_te_graphs": (1, BENCH_1GPU + TE + GRAPHS),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
-}.items()}
-# Micro-batch and recompute for TE FP8 (delayed scaling, float8 output layer) on the 8B
-# shape, each a whole global batch of 8 sequences (micro-batch 4 fits one H200 only with full
-# recompute, by the memory estimate): which one a user of one H200 should pick,
-# beside the torch-native bf16 baseline of the same call.
-TE_FP8_BEST = TE_DELAYED + FP8_OUTPUT
-TE_CHOICES = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
-    "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
     **{f"llama3_8b_16l_1gpu_mb{mb}_te_fp8_delayed_output{'_' + recompute if recompute != 'none' else ''}":
        (1, LLAMA3_8B_16L_1GPU_MB2 + TE_FP8_BEST + [f"train.micro_batch_size={mb}", f"train.recompute={recompute}"])
-       for mb, recompute in ((1, "none"), (2, "none"), (2, "selective"), (4, "full"), (8, "full"))},
-}.items()}
-# Packed documents (32k rows, uncompiled): TE's THD fused attention against the
-# torch-native spec's varlen flash kernel.
-TE_PACKED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
-    "varlen1_te": (1, VARLEN_1GPU + TE),
-    "varlen1_torch_native": (1, VARLEN_1GPU + ["engine.layer_spec=torch_native"]),
+       for mb, recompute in ((1, "none"), (2, "selective"), (4, "full"), (8, "full"))},
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
+        "precision=fp8_tensorwise", "engine.layer_spec=torch_native", "precision.fp8_output_layer=true"]),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE),
+    "bench_1b_1gpu_te_fp8_delayed": (1, BENCH_1GPU + TE_DELAYED),
 }.items()}
 
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,
-          "varlen_2gpu": VARLEN_2GPU, "te": TE_SUITE, "te_graphs": TE_GRAPHS, "te_packed": TE_PACKED,
-          "te_choices": TE_CHOICES,
-          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU, **TE_SUITE, **TE_GRAPHS,
-                  **TE_PACKED, **TE_CHOICES}}
+          "varlen_2gpu": VARLEN_2GPU, "te": TE_SUITE,
+          "all": {**PERFORMANCE, **ENGINES, **ZERO_SPEED, **VARLEN, **VARLEN_2GPU, **TE_SUITE}}
 
 
 def device_overrides() -> list[str]:
@@ -331,12 +312,13 @@ def run_case(name: str, gpus: int, overrides: list[str], jobs: Path, card: list[
     cmd = [sys.executable, "-m", "gridwright", *COMMON, *overrides, *card, f"job_dir={job_dir}"]
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": _visible_device(gpu)}
     print(f"+ [{name}]", " ".join(cmd), flush=True)
+    started = time.monotonic()
     proc = run_bounded(cmd, timeout, env=env)
     # Labelled: side by side, two cases' outputs arrive in the order they finish.
     print(f"[{name}] output:\n{proc.stdout[-2500:]}", proc.stderr[-4000:] if proc.returncode else "", flush=True)
     engine = "deepspeed" if "engine=deepspeed" in overrides else "megatron"
     row = {"case": name, "gpus": gpus, "engine": engine, "exit_code": proc.returncode, "job_dir": str(job_dir),
-           "side_by_side": side_by_side}
+           "side_by_side": side_by_side, "wall_s": round(time.monotonic() - started, 1)}
     summary = job_dir / "summary.json"
     if proc.returncode == 0 and summary.exists():
         s = json.loads(summary.read_text())

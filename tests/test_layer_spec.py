@@ -24,13 +24,16 @@ GPU = ["model=bench_1b", "cluster=h100_x1", "zero=stage1", "train.seq_length=409
     (["engine.layer_spec=transformer_engine"], True, True),
     (["engine.compile_layers=true"], True, False),  # only the torch-native spec compiles
     (["precision=fp8_tensorwise", "precision.fp8_backend=torchao"], True, False),
-    (["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], True, True),  # either spec runs it
+    (["precision=fp8_tensorwise", "precision.fp8_output_layer=true", "model=llama3_8b"], True, True),  # either spec runs it
     (["precision=fp8_rowwise"], True, False),
-    (["precision=fp8_tensorwise"], True, True),  # TE's current scaling
+    (["precision=fp8_tensorwise"], True, False),  # the bench model's hidden 2048: torchao measured faster
+    (["precision=fp8_tensorwise", "model=llama3_8b"], True, True),  # 4096: TE's current scaling measured faster
+    (["precision=fp8_tensorwise", "precision.fp8_backend=transformer_engine"], True, True),
+    (["precision=fp8_delayed"], True, True),  # TE's recipe: TE's layers at any size
 ])
 def test_auto_builds_te_where_it_imports_unless_a_torch_native_key_is_set(compose, overrides, te_imports, te_layers):
     cfg = compose(*GPU, *overrides)
-    assert transformer_engine_layers(cfg.engine, cfg.precision, te_imports) is te_layers
+    assert transformer_engine_layers(cfg.engine, cfg.precision, cfg.model, te_imports) is te_layers
 
 
 def test_fp8_backend_follows_the_layers(compose):
@@ -100,6 +103,12 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
      "transformer_engine, output layer by torchao (tensorwise)"),
     (["precision=fp8_tensorwise", "engine.compile_layers=true"], True, True,
      "torch_native (engine.compile_layers=true asks for it); FP8 tensorwise by torchao"),
+    (["precision=fp8_tensorwise"], True, True,
+     "torch_native (engine.layer_spec=auto: at hidden size 2048 torchao's FP8 was measured faster than Transformer "
+     "Engine's, which was measured faster from 4096); FP8 tensorwise by torchao"),
+    (["precision=fp8_tensorwise", "model=llama3_8b"], True, True,
+     "transformer_engine (engine.layer_spec=auto, Transformer Engine installed here); FP8 tensorwise by "
+     "transformer_engine"),
     (["precision=fp8_delayed"], True, False,
      "torch_native (engine.layer_spec=auto, Transformer Engine not installed here); FP8 delayed needs "
      "Transformer Engine's layers (refused where they are not built)"),
@@ -111,7 +120,7 @@ def test_the_plan_names_whose_layers_and_fp8_a_run_gets(compose, overrides, on_c
     from gridwright.config.fp8_choice import planned_layers
 
     cfg = compose(*GPU, *overrides)
-    assert planned_layers(cfg.engine, cfg.precision, on_cuda, te_installed) == words
+    assert planned_layers(cfg.engine, cfg.precision, cfg.model, on_cuda, te_installed) == words
 
 
 def test_the_printed_plan_has_its_layers_line(run_launch):

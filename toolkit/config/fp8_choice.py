@@ -4,6 +4,13 @@ from __future__ import annotations
 
 TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals.parallel_linear
 
+# Whose FP8 was measured faster, by hidden size (1 x H200; docs/performance.md): at 4096 (the
+# Llama-3-8B shape) Transformer Engine's FP8 ran 1.46x bf16 against torchao's best 1.35x
+# (evaluations/results/bench_gpu_te_1xh200.md); at 2048 (the bench model) TE's FP8 ran
+# 0.85x TE's bf16 and torchao's tensorwise 1.08x bf16 (fp8_loss_check_4xh200.md). Between the
+# two shapes nothing was measured; TE's side begins at the shape where it was measured faster.
+TE_FP8_MEASURED_FASTER_FROM_HIDDEN = 4096
+
 
 def torch_native_asked(engine, precision) -> list[str]:
     """The keys set that only the torch-native spec runs (gridwright's compiled layers,
@@ -17,16 +24,24 @@ def torch_native_asked(engine, precision) -> list[str]:
     return keys
 
 
-def transformer_engine_layers(engine, precision, te_imports: bool) -> bool:
+def torchao_fp8_measured_faster(model, precision) -> bool:
+    """FP8 left to `auto` (tensorwise, which both have) on a shape where torchao's float8
+    matmuls were measured faster than Transformer Engine's FP8 (below TE's measured hidden size)."""
+    return (precision.fp8_recipe == "tensorwise" and precision.fp8_backend == "auto"
+            and model.hidden_size < TE_FP8_MEASURED_FASTER_FROM_HIDDEN)
+
+
+def transformer_engine_layers(engine, precision, model, te_imports: bool) -> bool:
     """Whether Megatron-Core's Transformer Engine layer spec is built (else the torch-native
     one). `engine.layer_spec=auto` takes TE where it imports, unless the run asks for
-    something only the torch-native spec has; `transformer_engine` where TE does not import
-    is refused by validation and by every worker (engine_spec_problems), never replaced."""
+    something only the torch-native spec has, or leaves its FP8 to `auto` on a shape where
+    torchao's was measured faster; `transformer_engine` where TE does not import is refused
+    by validation and by every worker (engine_spec_problems), never replaced."""
     if engine.layer_spec == "torch_native":
         return False
     if engine.layer_spec == "transformer_engine":
         return te_imports
-    return te_imports and not torch_native_asked(engine, precision)
+    return te_imports and not torch_native_asked(engine, precision) and not torchao_fp8_measured_faster(model, precision)
 
 
 def fp8_backend(precision, te_available: bool):
@@ -40,14 +55,14 @@ def fp8_backend(precision, te_available: bool):
     return precision.fp8_backend
 
 
-def planned_layers(engine, precision, on_cuda: bool, te_installed: bool) -> str:
+def planned_layers(engine, precision, model, on_cuda: bool, te_installed: bool) -> str:
     """The plan's words for whose layers and FP8 a Megatron-Core layer spec run gets. A plan
     does not import Transformer Engine (seconds): it takes TE as importable where it is
     installed, and every worker checks its own node before it builds anything."""
     asked = engine.layer_spec == "transformer_engine"
     # asked for by name, TE is what the workers build or refuse (a cluster's nodes may have
     # it where the host that plans does not)
-    te = on_cuda and (asked or transformer_engine_layers(engine, precision, te_installed))
+    te = on_cuda and (asked or transformer_engine_layers(engine, precision, model, te_installed))
     if te:
         why = "engine.layer_spec=auto, Transformer Engine installed here" if not asked else \
             "engine.layer_spec=transformer_engine" + ("" if te_installed else
@@ -58,8 +73,11 @@ def planned_layers(engine, precision, on_cuda: bool, te_installed: bool) -> str:
         why = "Transformer Engine runs only on CUDA"
     elif not te_installed:
         why = "engine.layer_spec=auto, Transformer Engine not installed here"
-    else:
+    elif torch_native_asked(engine, precision):
         why = f"{', '.join(torch_native_asked(engine, precision))} asks for it"
+    else:
+        why = (f"engine.layer_spec=auto: at hidden size {model.hidden_size} torchao's FP8 was measured faster than "
+               f"Transformer Engine's, which was measured faster from {TE_FP8_MEASURED_FASTER_FROM_HIDDEN}")
     words = f"{'transformer_engine' if te else 'torch_native'} ({why})"
     backend = fp8_backend(precision, te)
     if backend == "torchao" and precision.fp8_recipe not in TORCHAO_FP8_RECIPES:

@@ -78,7 +78,7 @@ def fp8_machine_problems(cfg, te_imports: bool) -> list[str]:
     worker at start (a Slurm or torchrun job's nodes are seen only by its workers)."""
     p = cfg.precision
     builds_spec = rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel)
-    te_layers = builds_spec and transformer_engine_layers(cfg.engine, p, te_imports)
+    te_layers = builds_spec and transformer_engine_layers(cfg.engine, p, cfg.model, te_imports)
     backend = fp8_backend(p, te_layers)
     if backend is None:
         return []

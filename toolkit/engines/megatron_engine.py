@@ -120,7 +120,7 @@ class MegatronTrainer:
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         t = cfg.train
         torch.manual_seed(t.seed)
-        te = transformer_engine_layers(cfg.engine, cfg.precision, (not self.on_cpu) and transformer_engine_available())
+        te = transformer_engine_layers(cfg.engine, cfg.precision, cfg.model, (not self.on_cpu) and transformer_engine_available())
         # CUDA graphs need the graph-safe generators (same seeds, same numbers); TE's graph
         # capture accepts only TE's own tracker ("Unsupported RNG states tracker" otherwise).
         graphs = cfg.engine.cuda_graphs != "none"

@@ -48,7 +48,7 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
         out.append(TP_SP_RECIPE)
     if layout.cp > 1 and cfg.parallel.cp_mode == "static":
         out.append(CP_RECIPE)
-    backend = _fp8_backend_planned(cfg.engine, cfg.precision) if cfg.precision.fp8_recipe else None
+    backend = _fp8_backend_planned(cfg.engine, cfg.precision, cfg.model) if cfg.precision.fp8_recipe else None
     if cfg.precision.fp8_recipe == "tensorwise" and backend == "torchao":
         out.append(FP8_OUTPUT_RECIPE)
     elif cfg.precision.fp8_recipe == "delayed" and backend == "transformer_engine":
@@ -56,14 +56,14 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
     return [recipe for recipe in out if recipe.measured_for(layout)]
 
 
-def _fp8_backend_planned(engine, precision) -> str | None:
+def _fp8_backend_planned(engine, precision, model) -> str | None:
     """Whose FP8 the run will get, taking Transformer Engine as available where it is
     installed: a plan does not import it (seconds), and where it is installed but does not
     import the note is left out rather than wrongly given."""
     import importlib.util
 
     te_installed = importlib.util.find_spec("transformer_engine") is not None
-    return fp8_backend(precision, transformer_engine_layers(engine, precision, te_installed))
+    return fp8_backend(precision, transformer_engine_layers(engine, precision, model, te_installed))
 
 
 def state_sharding(zero) -> StateSharding:

@@ -55,3 +55,25 @@ def test_a_new_call_replaces_the_file_of_its_benchmark_and_card(tmp_path):
 def test_a_card_is_cpu_or_count_x_model(card, tmp_path):
     with pytest.raises(ValueError, match="is not 'cpu' or"):
         results_path(tmp_path, "bench_gpu_te", card)
+
+
+def test_the_cublaslt_gemm_is_on_by_default_only_while_the_gpu_tier_passes_it(compose):
+    """The float8 weight-gradient GEMM bound through ctypes (runtime.float8_gemm) runs by
+    default on CUDA (engine.gradient_accumulation_fusion=null with torchao's tensorwise FP8).
+    Its only check on a real cuBLASLt is the GPU tier: every tier file must record those
+    tests as passed, or the default must be turned off."""
+    from gridwright.engines.megatron_model import gradient_accumulation_fusion
+
+    cfg = compose("model=llama3_8b", "cluster=h100_x1", "precision=fp8_tensorwise", "launcher=plan")
+    tiers = sorted(RESULTS.glob("gpu_tier_*.md"))
+    assert tiers, "no GPU tier results file"
+    if not gradient_accumulation_fusion(cfg):
+        return
+    for tier in tiers:
+        rows = re.findall(r"^\| `(test_wgrad_accumulation::test_the_cublaslt_gemm[^`]*)` \| (\w[\w ]*?) \|",
+                          tier.read_text(), re.M)
+        assert len(rows) >= 3, f"{tier.name} records {len(rows)} cuBLASLt GEMM tests"
+        failed = [name for name, result in rows if result != "passed"]
+        assert not failed, (f"{tier.name}: {failed} did not pass on the GPU, yet the cuBLASLt GEMM is on by default. "
+                            "Fix: make engine.gradient_accumulation_fusion's CUDA default leave torchao's float8 "
+                            "weight gradients to torch._scaled_mm until the tier passes.")

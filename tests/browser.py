@@ -20,7 +20,7 @@ BINARY = CACHE / "root" / "usr" / "lib" / "chromium" / "chromium-headless-shell"
 # The browser, then what `ldd` found missing on a bare Debian 12 (bookworm), measured.
 PACKAGES = ("chromium-headless-shell", "chromium-common", "libflac12", "libdouble-conversion3", "libharfbuzz-subset0",
             "libminizip1", "libopenh264-7", "libopenjp2-7", "libopus0", "libpulse0", "libasyncns0", "libogg0",
-            "libsndfile1", "libmp3lame0", "libmpg123-0", "libvorbis0a", "libvorbisenc2")
+            "libsndfile1", "libmp3lame0", "libmpg123-0", "libvorbis0a", "libvorbisenc2", "libxnvctrl0")
 
 
 class NoBrowser(Exception):

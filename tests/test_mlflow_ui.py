@@ -117,6 +117,12 @@ def test_sweep_link_shows_its_points_and_the_parents_chart(store, browser, tmp_p
                                      ["tiny_llama dp2 #2", "tiny_llama tp2-dp1"], tmp_path / "sweep_runs_table.png")
     try:
         assert page.get_by_role("link", name="tiny_llama dp2", exact=True).count() == 0
+        # the group's own row shows values its points measured (their largest), not averages
+        # across layouts, which measure nothing and print with every digit
+        cells = [c.strip() for c in page.get_by_role("gridcell").all_inner_texts()]
+        aggregated = [c for c in cells if c.endswith(")") and " (" in c]
+        assert aggregated and all(c.endswith(" (max)") for c in aggregated), aggregated
+        assert {c.removesuffix(" (max)") for c in aggregated} <= set(cells), cells
     finally:
         context.close()
     context, page = open_fresh(browser, printed_link(sweep, "chart", base))

@@ -46,9 +46,12 @@ def sweep_view_key(parent_run_id: str) -> str:
 def sweep_view_state(parent_run_id: str) -> dict:
     """A sweep's points: its nested runs, in one group under their parent, open. Listed
     plainly, MLflow folds nested runs under their parent's row, and which rows are unfolded
-    is the one part of a table's state its shared views leave out; a group's is kept."""
+    is the one part of a table's state its shared views leave out; a group's is kept. The
+    group's own row shows each column's largest value (the best throughput and MFU, the
+    largest memory), a number one of the points measured: an average across layouts
+    measures nothing, and MLflow prints it with every digit."""
     state = view_state(f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
-    state["groupBy"] = {"aggregateFunction": "average",
+    state["groupBy"] = {"aggregateFunction": "max",
                         "groupByKeys": [{"mode": "tag", "groupByData": "mlflow.parentRunId"}]}
     state["groupsExpanded"] = {f"tag.mlflow.parentRunId.{parent_run_id}": True}
     return state

@@ -48,8 +48,8 @@ TP_FAST = FAST + ["engine.tp_comm_overlap=true"]
 GRAPHS = ["engine.cuda_graphs=layers"]
 CP_A2A = ["parallel.cp_comm_type=a2a"]
 # name: (GPUs, overrides)
-BENCH_2GPU = ["+experiment=bench_gpu", "cluster=h100_x2", "train.steps=14"]
-BENCH_1GPU = ["+experiment=bench_gpu", "train.steps=14"]
+BENCH_2GPU = ["+bench=bench_gpu", "cluster=h100_x2", "train.steps=14"]
+BENCH_1GPU = ["+bench=bench_gpu", "train.steps=14"]
 LLAMA3_8B = ["model=llama3_8b", "cluster=h100_x2", "zero=stage1", "train.seq_length=4096",
              "train.micro_batch_size=1", "train.global_batch_size=8", "train.steps=14"]
 LLAMA3_8B_1GPU = ["model=llama3_8b", "cluster=h100_x1", "zero=stage1", "train.seq_length=4096", "model.num_layers=8",
@@ -210,7 +210,7 @@ ZERO_SPEED = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
 # split over 2 or 4 ranks (at most 8k tokens per rank, as under CP=4), under either
 # scheduler, and with 32k per rank (every document on one rank: the balance alone). On 2
 # GPUs the same at half the scale.
-VARLEN_BASE = ["+experiment=bench_gpu", "data.packing=true", "train.seq_length=32768",
+VARLEN_BASE = ["+bench=bench_gpu", "data.packing=true", "train.seq_length=32768",
                "model.max_position_embeddings=32768", "train.micro_batch_size=1",
                "data.doc_lengths.median=1024", "data.doc_lengths.sigma=1.5", "train.steps=14"]
 # The Llama-3-8B shape (16 layers), where a rank cannot hold a whole 32k row (DP is refused

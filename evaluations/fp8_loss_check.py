@@ -142,7 +142,7 @@ def run_wave(runs: list[tuple[str, int]], args, card: str, jobs: Path) -> dict:
     for slot, (precision, seed) in enumerate(runs):
         recipe_preset, _, output = precision.partition("+")
         job = jobs / f"{precision.replace('+', '_')}_seed{seed}"
-        cmd = [sys.executable, "-m", "gridwright", "+experiment=bench_gpu", f"precision={recipe_preset}", "tracking=off",
+        cmd = [sys.executable, "-m", "gridwright", "+bench=bench_gpu", f"precision={recipe_preset}", "tracking=off",
                f"train.steps={args.steps}", f"train.global_batch_size={args.global_batch_size}",
                f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20", f"train.seed={seed}",
                *spec_overrides(args.layer_spec), f"cluster.gpu.name={card.replace(' ', '_')}",

@@ -5,7 +5,7 @@ Megatron-Core conversion, so that runs of both engines start from the very same 
 
 The weights are drawn by Megatron-Core's initialisation rules (the DeepSpeed engine's own
 draw); the overrides compose the experiment whose model is drawn (default: the engines
-comparison, `+experiment=engines_base`). The engines_* presets load them from
+comparison, `+bench=engines_base`). The engines_* presets load them from
 `$GRIDWRIGHT_SAME_WEIGHTS` (default `same_weights`): `<model>_hf` for DeepSpeed's Hugging
 Face model, `<model>_megatron` for Megatron-Core's GPTModel.
 """
@@ -47,7 +47,7 @@ def write_same_weights(out: Path, experiment: list[str]) -> dict[str, Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("GRIDWRIGHT_SAME_WEIGHTS", "same_weights")))
-    ap.add_argument("overrides", nargs="*", default=["+experiment=engines_base"])
+    ap.add_argument("overrides", nargs="*", default=["+bench=engines_base"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for kind, path in write_same_weights(args.out, args.overrides).items():

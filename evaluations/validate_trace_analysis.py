@@ -26,7 +26,7 @@ from pathlib import Path
 from gridwright.evaluations.results_file import card_of_this_machine, write_json, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
-AB_BASE = ["tracking=off", "+experiment=eval_dp2", "train.global_batch_size=4", "train.steps=12",
+AB_BASE = ["tracking=off", "+bench=eval_dp2", "train.global_batch_size=4", "train.steps=12",
            "evaluate.profile_steps=[8,12]"]
 # engine -> (overrides added to AB_BASE, the overrides that switch overlap off or on)
 MODES = {

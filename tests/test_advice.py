@@ -28,7 +28,7 @@ MAX_STEPS = 4
 REFUSALS = {
     # where it runs: the GPU experiments of the presets on this CPU machine
     "gpu_preset_without_gpus": (["+experiment=mixtral_ep8"], ["launcher=plan"], 1),
-    "one_gpu_preset_without_gpus": (["+experiment=bench_gpu"], ["launcher=plan"], 1),
+    "one_gpu_preset_without_gpus": (["+bench=bench_gpu"], ["launcher=plan"], 1),
     "fp8_without_te_without_gpus": (GPU8 + ["model=bench_1b", "cluster=h100_x1", "precision=fp8_delayed",
                                             "train.global_batch_size=8"], ["launcher=plan"], 1),
     # whose layers: Transformer Engine's asked for where it cannot run, or beside torch-native-only keys
@@ -87,7 +87,7 @@ REFUSALS = {
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["parallel.moe_token_dispatcher=allgather"], 1),
     "megatron_stage3_on_cpu": (["zero=stage3"], ["zero.stage=1"], 1),
     "megatron_offload": (["zero=stage2_offload"], ["engine=deepspeed"], 1),
-    "megatron_fsdp_one_rank": (["+experiment=bench_gpu", "zero=stage3", "launcher=plan"], ["zero.stage=1"], 1),
+    "megatron_fsdp_one_rank": (["+bench=bench_gpu", "zero=stage3", "launcher=plan"], ["zero.stage=1"], 1),
     "megatron_overlap_param_gather_zero0": (["zero=stage0", "engine.overlap_param_gather=true"], ["zero.stage=1"], 1),
     "deepspeed_zero0_bf16": (["engine=deepspeed", "zero=stage0", "precision=bf16"], ["zero.stage=1"], 1),
     "deepspeed_selective_recompute": (["engine=deepspeed", "zero=stage1", "train.recompute=selective"],
@@ -102,7 +102,7 @@ REFUSALS = {
                    ["cluster.nodes=2", "parallel.tp=2", "parallel.sp=true"], 1),
     # dynamic CP: neither a whole 32k row per rank nor half of one fits the 8B shape on an H100; a quarter
     # does, which the Fix names before recompute
-    "dynamic_cp_row_share": (["+experiment=bench_gpu", "model=llama3_8b", "model.num_layers=16", "cluster=h100_x4",
+    "dynamic_cp_row_share": (["+bench=bench_gpu", "model=llama3_8b", "model.num_layers=16", "cluster=h100_x4",
                               "launcher=plan", "data.packing=true", "parallel.cp_mode=dynamic",
                               "train.seq_length=32768", "model.max_position_embeddings=32768",
                               "train.micro_batch_size=1", "train.global_batch_size=8"],
@@ -365,8 +365,8 @@ def test_notes_suggest_nothing_chosen_and_lead_to_a_valid_experiment(name):
         follow(overrides + [suggestion], max_steps=2)
 
 
-GPU2 = ["+experiment=bench_gpu", "cluster=h100_x2"]
-GPU8_BENCH = ["+experiment=bench_gpu", "cluster=dgx_h100"]
+GPU2 = ["+bench=bench_gpu", "cluster=h100_x2"]
+GPU8_BENCH = ["+bench=bench_gpu", "cluster=dgx_h100"]
 RECIPE_TP = "engine.compile_layers=true engine.tp_comm_overlap=true engine.cuda_graphs=layers"
 # name: (overrides, the settings the speed note names, or None for no note)
 SPEED_NOTES = {

@@ -44,7 +44,7 @@ def test_fp8_loss_check_runs_validate_on_real_text_and_the_8b_shape(compose, tmp
     prepare([src], tmp_path / "text", "byte")
     extra = shape_and_data(argparse.Namespace(model="llama3_8b", layers=8, data=tmp_path / "text"))
     for precision in ("bf16", "fp8_tensorwise"):
-        cfg = compose("+experiment=bench_gpu", f"precision={precision}", "train.steps=300", "train.global_batch_size=8",
+        cfg = compose("+bench=bench_gpu", f"precision={precision}", "train.steps=300", "train.global_batch_size=8",
                       "engine.compile_layers=true", "cluster.gpu.name=NVIDIA_H200", *H200, *extra, "launcher=plan")
         validate(cfg)
         assert cfg.model.num_layers == 8 and cfg.model.hidden_size == 4096 and cfg.data.kind == "indexed"

@@ -3,10 +3,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-EXPERIMENTS = [
-    "tiny_llama_cpu", "tiny_llama_tp2", "tiny_llama_pp2", "tiny_mixtral_cpu",
-    "mixtral_ep8", "llama3_8b", "llama3_70b", "bench_gpu", "llama3_8b_tp8", "llama3_8b_dp8",
-]
+from gridwright.conf_dir import CONF_DIR, PRESET_GROUPS
+
+PRESETS = [(group, path.stem) for group in PRESET_GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
 
 
 def test_default_is_tiny_llama_on_two_cpu_processes(compose):
@@ -17,12 +16,22 @@ def test_default_is_tiny_llama_on_two_cpu_processes(compose):
     assert cfg.tracking.uri.startswith("sqlite:///")
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_preset_composes_and_validates(compose, name):
+def test_the_users_presets_and_the_benchmarks_are_separate_groups():
+    assert {name for group, name in PRESETS if group == "experiment"} == {
+        "tiny_llama_cpu", "tiny_llama_tp2", "tiny_llama_pp2", "tiny_mixtral_cpu", "mixtral_ep8", "llama3_8b",
+        "llama3_70b", "llama3_8b_tp8", "llama3_8b_dp8"}
+    assert all(name.startswith(("bench_", "eval_", "engines_")) for group, name in PRESETS if group == "bench")
+
+
+@pytest.mark.parametrize("group, name", PRESETS)
+def test_every_preset_composes_and_validates(compose, group, name):
     from gridwright.config.validation import validate
 
-    cfg = compose(f"+experiment={name}")
-    assert cfg.name == name
+    # the engines comparison's points start from weights `same_weights` writes first
+    weights = ["checkpoint.load=null"] if name.startswith("engines_") else []
+    cfg = compose(f"+{group}={name}", *weights)
+    # a user's preset names the run after itself; a benchmark's points share their sweep's name
+    assert cfg.name == name if group == "experiment" else cfg.name.startswith(("bench_", "eval_", "engines_"))
     placement = validate(cfg, for_launch=False).placement
     assert placement.world_size == cfg.cluster.nodes * cfg.cluster.gpus_per_node
 
@@ -77,22 +86,22 @@ def test_fp8_recipes_map_to_transformer_config(compose):
         ("fp8_blockwise", "blockwise", "e4m3"),
         ("mxfp8", "mxfp8", "e4m3"),
     ):
-        cfg = compose("+experiment=bench_gpu", f"precision={preset}")
+        cfg = compose("+bench=bench_gpu", f"precision={preset}")
         kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))
         # TE's fused rotary kernel for TE's layers (TransformerConfig refuses it where TE is absent)
         assert kw.pop("apply_rope_fusion") is True
         tc = TransformerConfig(**kw)
         assert (tc.fp8, tc.fp8_recipe, tc.bf16) == (fmt, recipe, True)
-    cfg = compose("+experiment=bench_gpu", "precision=fp8_delayed")
+    cfg = compose("+bench=bench_gpu", "precision=fp8_delayed")
     kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg))
     kw.pop("apply_rope_fusion")
     tc = TransformerConfig(**kw)
     assert tc.fp8_amax_history_len == 1024 and tc.fp8_amax_compute_algo == "max"
-    cfg = compose("+experiment=bench_gpu")
+    cfg = compose("+bench=bench_gpu")
     kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
     assert kw["apply_rope_fusion"] is False and TransformerConfig(**kw).fp8 is None
     # Without Transformer Engine, torchao runs tensorwise inside the layers: no TE FP8 in the config
-    cfg = compose("+experiment=bench_gpu", "precision=fp8_tensorwise")
+    cfg = compose("+bench=bench_gpu", "precision=fp8_tensorwise")
     assert "fp8" not in transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)
 
 

@@ -124,7 +124,7 @@ def test_plan_with_a_comm_profile_predicts_each_groups_communication(run_launch,
     from pathlib import Path
 
     profile = Path(__file__).parent / "data" / "comm_profile_2xh100.json"
-    result = run_launch("+experiment=eval_tp2_sp", "launcher=plan", f"cluster.comm_profile={profile}")
+    result = run_launch("+bench=eval_tp2_sp", "launcher=plan", f"cluster.comm_profile={profile}")
     assert result.returncode == 0, result.stderr
     plan = json.loads((only_job_dir(tmp_path) / "plan.json").read_text())
     tp = plan["predicted_communication"]["tp"]

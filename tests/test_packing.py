@@ -219,7 +219,7 @@ def test_a_steps_flops_follow_its_documents_context(compose):
     from gridwright.planning.model_math import flops_record, model_flops_per_token
     from gridwright.runtime.step_metrics import StepMetrics
 
-    cfg = compose("+experiment=bench_gpu", "data.packing=true", "launcher=plan")
+    cfg = compose("+bench=bench_gpu", "data.packing=true", "launcher=plan")
     plan = {**flops_record(cfg), "tokens_per_step": 16 * 4096}
     metrics = StepMetrics(plan, 1, on_cuda=False)
     whole = metrics.derive({"step_time_s": 1.0, "attention_context": 4096})

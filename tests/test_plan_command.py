@@ -75,20 +75,20 @@ def test_a_preset_names_itself_and_gets_no_notes(run_launch, tmp_path):
 
 @pytest.mark.slow
 def test_gpu_cluster_without_cuda_is_refused_before_start(run_launch, tmp_path):
-    r = run_launch("+experiment=bench_gpu")
+    r = run_launch("+bench=bench_gpu")
     assert r.returncode == 2
     assert "cluster 'h100_x1' runs 1 process(es) on CUDA GPUs, but this machine has 0 CUDA device(s)" in r.stderr
     assert "nothing was started" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "jobs").exists() and not (tmp_path / "mlflow.db").exists()
     # The same experiment plans (or is emitted for a cluster) on this machine.
-    assert run_launch("+experiment=bench_gpu", "launcher=plan").returncode == 0
+    assert run_launch("+bench=bench_gpu", "launcher=plan").returncode == 0
 
 
 def test_derived_names(compose):
     assert compose().name == "tiny_llama"
     assert compose("engine=deepspeed", "zero=stage3").name == "tiny_llama-deepspeed-stage3"
     assert compose("model=llama3_8b", "cluster=dgx_h100", "launcher=plan").name == "llama3_8b-dgx_h100"
-    assert compose("+experiment=bench_gpu").name == "bench_gpu"
+    assert compose("+bench=bench_gpu").name == "bench_gpu"
     assert compose("model=tiny_mixtral", "name=mine").name == "mine"
     # The name exists before values are resolved: `${name}` in a value sees it.
     assert compose("model=tiny_mixtral", "checkpoint.save=ckpt/${name}").checkpoint.save == "ckpt/tiny_mixtral"
@@ -105,7 +105,7 @@ def test_one_plan_counts_parameters_and_estimates_memory_once(compose, tmp_path,
     from gridwright import cli
 
     profile = Path(__file__).parent / "data" / "comm_profile_2xh100.json"
-    cfg = compose("+experiment=bench_gpu", "cluster=h100_x2", "launcher=plan", f"job_root={tmp_path}",
+    cfg = compose("+bench=bench_gpu", "cluster=h100_x2", "launcher=plan", f"job_root={tmp_path}",
                   f"cluster.comm_profile={profile}")
     profiler = cProfile.Profile()
     assert profiler.runcall(cli.run, cfg).status == "planned"

@@ -4,7 +4,7 @@ from gridwright.runtime.worker import summary_lines
 
 
 def test_gpu_summary_names_the_mfu_definition_and_the_peak(compose):
-    cfg = compose("+experiment=bench_gpu")
+    cfg = compose("+bench=bench_gpu")
     summary = {"steps": 30, "steps_averaged": list(range(1, 30)), "first_loss": 10.78, "last_loss": 7.5,
                "mean_step_time_s": 1.01, "tokens_per_s_per_gpu": 64934.0, "tflops_per_gpu": 358.9,
                "flops_definition": "megatron", "mfu": 0.363, "mfu_palm": 0.416, "hfu": 0.363,

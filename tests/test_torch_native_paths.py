@@ -102,7 +102,7 @@ def test_fused_kernels_are_on_for_cuda_and_off_on_cpu_unless_asked():
     from gridwright.engines.megatron_model import transformer_config_kwargs
     from gridwright.planning.layout import ParallelLayout
 
-    gpu = ["cluster=h100_x2", "+experiment=bench_gpu"]  # bf16
+    gpu = ["cluster=h100_x2", "+bench=bench_gpu"]  # bf16
     for overrides, fused in (([], (False, False)), (["engine.fused_kernels=true"], (True, False)),
                              (["engine.fused_kernels=true", "precision=bf16"], (True, True)),
                              (gpu, (True, True)), (gpu + ["precision=fp16"], (True, False)),
@@ -139,7 +139,7 @@ def test_fused_kernels_match_the_unfused_run_at_tp2_sp(run_launch, tmp_path, pre
 def test_worker_connections_follow_tp_overlap():
     """One CUDA connection orders Megatron-Core's SP communication; the symmetric-memory
     overlap needs its copy streams beside compute (8), and the key overrides both."""
-    gpu = ["cluster=h100_x2", "+experiment=bench_gpu", "parallel.tp=2", "parallel.sp=true"]
+    gpu = ["cluster=h100_x2", "+bench=bench_gpu", "parallel.tp=2", "parallel.sp=true"]
     assert worker_env(compose_config(gpu))["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert worker_env(compose_config(gpu + ["engine.tp_comm_overlap=true"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
     assert worker_env(compose_config(gpu + ["engine.cuda_device_max_connections=4"]))["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
@@ -170,7 +170,7 @@ def test_cuda_graphs_become_megatron_cores_local_graphs():
     from gridwright.engines.megatron_model import transformer_config_kwargs
     from gridwright.planning.layout import ParallelLayout
 
-    base = ["cluster=h100_x2", "+experiment=bench_gpu", "parallel.tp=2", "parallel.sp=true"]
+    base = ["cluster=h100_x2", "+bench=bench_gpu", "parallel.tp=2", "parallel.sp=true"]
     for extra, impl in (([], "none"), (["engine.cuda_graphs=layers"], "local")):
         cfg = compose_config(base + extra)
         kw = transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=False)

@@ -56,7 +56,7 @@ BROKEN = {
     "fp8_output_layer_vocab_shard": (["cluster=h100_x2", "precision=fp8_tensorwise", "precision.fp8_output_layer=true",
                                       "model.vocab_size=32008", "parallel.tp=2"],
                                      ["vocabulary shard (32008 / TP 2) must be a multiple of 16"]),
-    "wgrad_fusion_fsdp": (["cluster=h100_x2", "+experiment=bench_gpu", "zero=stage3",
+    "wgrad_fusion_fsdp": (["cluster=h100_x2", "+bench=bench_gpu", "zero=stage3",
                            "engine.gradient_accumulation_fusion=true"],
                           ["Megatron-FSDP takes its own path", "Fix: engine.gradient_accumulation_fusion=null"]),
     "wgrad_fusion_deepspeed": (["engine=deepspeed", "zero=stage1", "engine.gradient_accumulation_fusion=true"],

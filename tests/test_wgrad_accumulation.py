@@ -199,7 +199,7 @@ def test_linears_accumulate_into_ddp_buffers(params_dtype, tolerance, gridwright
 def test_the_default_is_cuda_and_megatron_ddp_only():
     """None: on for CUDA under Megatron-Core's DDP and distributed optimizer; off on CPU, under
     Megatron-FSDP and on DeepSpeed (an explicit true there is refused: test_validation)."""
-    gpu = ["cluster=h100_x2", "+experiment=bench_gpu"]
+    gpu = ["cluster=h100_x2", "+bench=bench_gpu"]
     assert gradient_accumulation_fusion(compose_config(gpu))
     assert gradient_accumulation_fusion(compose_config(gpu + ["zero=stage1"]))
     assert not gradient_accumulation_fusion(compose_config(gpu + ["zero=stage3"]))

@@ -22,7 +22,7 @@ def _resolved(compose, *overrides):
 def test_bench_model_zero3_gets_deepspeeds_documented_defaults(compose):
     """bench_1b on one H100: DeepSpeed's defaults, measured faster there than the Hugging
     Face integration's sizes from hidden_size (zero_settings says by how much)."""
-    assert _resolved(compose, "+experiment=bench_gpu", *DS, "zero=stage3") == {
+    assert _resolved(compose, "+bench=bench_gpu", *DS, "zero=stage3") == {
         "overlap_comm": True,  # CUDA
         "contiguous_gradients": True,
         "reduce_bucket_size": 500_000_000,
@@ -108,7 +108,7 @@ def test_whole_json_is_accepted_by_deepspeeds_config_parser(compose):
     """DeepSpeedConfig checks the batch arithmetic too, against a world of 1 without torch.distributed."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    cfg = compose("+experiment=bench_gpu", *DS, "zero=stage3", "zero.reduce_bucket_size=12345")
+    cfg = compose("+bench=bench_gpu", *DS, "zero=stage3", "zero.reduce_bucket_size=12345")
     parsed = DeepSpeedConfig(deepspeed_config(cfg, ParallelLayout.from_config(cfg)))
     z = parsed.zero_config
     assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (12345, 50_000_000, 100_000)

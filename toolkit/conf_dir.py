@@ -16,3 +16,6 @@ def _conf_dir() -> Path:
 
 
 CONF_DIR = _conf_dir()
+# The groups of presets applied on top (`+experiment=NAME`, `+bench=NAME`): a user's, then
+# the benchmarks' and evaluation sweeps'.
+PRESET_GROUPS = ("experiment", "bench")

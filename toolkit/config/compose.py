@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from ..conf_dir import CONF_DIR
+from ..conf_dir import CONF_DIR, PRESET_GROUPS
 from .schema import RunConfig
 
 def register_schema() -> None:
@@ -83,23 +83,24 @@ def derived_name(cfg) -> str:
     return "-".join(parts)
 
 
-def presets_for_model(model: str) -> list[str]:
-    """Experiment presets (conf/experiment/) that choose this model."""
+def presets_for_model(model: str) -> list[tuple[str, str]]:
+    """(group, name) of the presets (conf/experiment/, conf/bench/) that choose this model."""
     out = []
-    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
-        defaults = OmegaConf.load(path).get("defaults") or []
-        if any(isinstance(e, DictConfig) and e.get("override /model") == model for e in defaults):
-            out.append(path.stem)
+    for group in PRESET_GROUPS:
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            defaults = OmegaConf.load(path).get("defaults") or []
+            if any(isinstance(e, DictConfig) and e.get("override /model") == model for e in defaults):
+                out.append((group, path.stem))
     return out
 
 
-def preset_sets_train(name: str) -> bool:
-    """Whether an experiment preset, or one it builds on, sets its own training settings
+def preset_sets_train(group: str, name: str) -> bool:
+    """Whether a preset, or one it builds on (in its group), sets its own training settings
     (train.seq_length) rather than keeping the root's."""
-    preset = OmegaConf.load(CONF_DIR / "experiment" / f"{name}.yaml")
+    preset = OmegaConf.load(CONF_DIR / group / f"{name}.yaml")
     if "seq_length" in (preset.get("train") or {}):
         return True
-    return any(isinstance(e, str) and e != "_self_" and preset_sets_train(e) for e in preset.get("defaults") or [])
+    return any(isinstance(e, str) and e != "_self_" and preset_sets_train(group, e) for e in preset.get("defaults") or [])
 
 
 def composition_notes(cfg) -> list[str]:
@@ -115,10 +116,10 @@ def composition_notes(cfg) -> list[str]:
     kept = {k: v for k, v in root.train.items() if cfg.train[k] == v}
     presets = presets_for_model(cfg.model.name)
     if (cfg.model.name != root_defaults().get("model") and "seq_length" in kept
-            and cfg.name not in presets and all(preset_sets_train(p) for p in presets)):
+            and cfg.name not in {name for _, name in presets} and all(preset_sets_train(*p) for p in presets)):
         # A run composed from a preset swaps it (`experiment=X`); `+experiment=X` would add a second.
-        plus = "" if (CONF_DIR / "experiment" / f"{cfg.name}.yaml").is_file() else "+"
-        hint = (f"start from a preset for {cfg.model.name} (" + ", ".join(f"{plus}experiment={p}" for p in presets)
+        plus = "" if any((CONF_DIR / g / f"{cfg.name}.yaml").is_file() for g in PRESET_GROUPS) else "+"
+        hint = (f"start from a preset for {cfg.model.name} (" + ", ".join(f"{plus}{g}={p}" for g, p in presets)
                 + ") or set them" if presets else "set them")
         notes.append(
             f"these train.* values are the root defaults, sized for {root_defaults()['model']} on a CPU: "

@@ -136,7 +136,7 @@ def no_option_message(group: str, name: str, options: list[str], runs_here=None)
     near = [o for o in ranked if likeness(o) >= 0.6 or name in o]
     if runs_here is not None:
         near = [o for o in near if runs_here(o)]
-    what = "experiment preset" if group == "experiment" else f"{group} option"
+    what = {"experiment": "experiment preset", "bench": "benchmark preset"}.get(group, f"{group} option")
     hint = f" Did you mean {near[0]}?" if near else ""
     return f"error: no {what} '{name}'.{hint} Choices: {', '.join(options)}"
 

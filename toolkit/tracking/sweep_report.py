@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..conf_dir import PRESET_GROUPS
+
 from ..atomic_io import write_text_atomic
 from ..runtime.jobdir import PLAN_FILE, SUMMARY_FILE, read_json
 from .headline import mfu_both, run_metrics
@@ -67,7 +69,7 @@ def name_suffix(sweep_overrides: list[str], point_overrides: list[str]) -> str:
     for item in point_overrides:
         key, _, value = item.partition("=")
         if override_key(item) in varied:
-            parts.append(value if override_key(item) == "experiment" else f"{key.lstrip('+~')}={value}")
+            parts.append(value if override_key(item) in PRESET_GROUPS else f"{key.lstrip('+~')}={value}")
     return " ".join(parts)
 
 

@@ -11,13 +11,13 @@ from gridwright.evaluations.bench_gpu import SUITES
 from gridwright.evaluations.results_file import results_path, write_json, write_markdown
 
 RESULTS = REPO / "evaluations" / "results"
-# Each script's benchmark names (bench_gpu: one per suite), and the hand-made comparisons.
+# Each script's benchmark names (bench_gpu: one per suite).
 BENCHMARKS = {
     *(f"bench_gpu_{suite}" for suite in SUITES),
     "bench_wgrad_gemm", "bench_convert", "bench_plan", "bench_dynamic_cp", "verify_conversions", "gpu_tier",
     "fp8_loss_check", "fp8_loss_check_te", "varlen_loss_check", "eval_sweep", "validate_traces_megatron",
     "validate_traces_deepspeed", "comm_profile",
-    "engines_same_weights", "host_bound", "host_path_ab", "stop_check",  # hand-made from benchmark calls
+    "stop_check",
 }
 NAME = re.compile(r"(?P<benchmark>[a-z0-9_]+?)_(?P<card>cpu|\d+x[a-z0-9]+)\.(?P<suffix>md|json)")
 
@@ -32,6 +32,13 @@ def test_one_current_file_per_benchmark_and_card():
         key = (parsed[0]["benchmark"], parsed[0]["card"], parsed[0]["suffix"])
         assert key not in seen, f"{path.name} and {seen[key]}: two files of one benchmark and card"
         seen[key] = path.name
+
+
+def test_the_results_stay_a_page_of_current_files():
+    """One current file per benchmark and card reads as one page: superseded calls and
+    comparisons live in git history (the README says at which commit)."""
+    files = sorted(p.name for p in RESULTS.iterdir())
+    assert len(files) <= 25, f"{len(files)} files in evaluations/results (at most 25): {files}"
 
 
 def test_the_results_readme_lists_exactly_the_files_present():

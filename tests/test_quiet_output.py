@@ -259,3 +259,20 @@ def test_resume_with_more_steps_says_the_schedule_changed(tmp_path):
             f"is now {now:.1e}") in out.splitlines()
     assert re.search(rf"^step +4 loss \S+ lr {now:.2e} ", out, re.M)  # the rate step 4 then trains with
     assert foreign_lines(out) == []
+
+
+def test_a_first_compile_says_it_is_still_at_it(capsys):
+    """DeepSpeed's op compile prints nothing for minutes: a line every interval says it goes on."""
+    import time
+
+    from gridwright.engines.deepspeed_engine import compile_progress
+
+    with compile_progress(["deepspeed_shm_comm"], 75, every_s=0.2):
+        time.sleep(0.7)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines
+    assert all(re.fullmatch(r"deepspeed   still compiling deepspeed_shm_comm: \d+ s of est\. 75 s", x) for x in lines)
+    assert foreign_lines("\n".join(lines)) == []
+    with compile_progress([], 75, every_s=0.05):  # nothing to compile: silent
+        time.sleep(0.2)
+    assert capsys.readouterr().out == ""

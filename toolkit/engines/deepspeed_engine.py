@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import torch
@@ -204,11 +205,35 @@ def first_start(cfg):
               f"measured on 2 CPU cores, at this machine's load {busy + 1:.1f}); once, cached by torch afterwards",
               flush=True)
     started = time.perf_counter()
-    with printed_lines_filtered():
+    with printed_lines_filtered(), compile_progress(pending if announce else [], estimate if announce else 0):
         yield
     if announce:
         print(f"deepspeed   compiled {', '.join(pending)} and started in {time.perf_counter() - started:.0f} s",
               flush=True)
+
+
+@contextlib.contextmanager
+def compile_progress(pending: list[str], estimate_s: float, every_s: float = 30.0):
+    """While the ops `pending` compile (no output of their own for minutes), a line every
+    `every_s` seconds says the run is still at it, against the estimate. Nothing without
+    pending ops."""
+    if not pending:
+        yield
+        return
+    done, started = threading.Event(), time.perf_counter()
+
+    def tick():
+        while not done.wait(every_s):
+            print(f"deepspeed   still compiling {', '.join(pending)}: {time.perf_counter() - started:.0f} s "
+                  f"of est. {estimate_s:.0f} s", flush=True)
+
+    ticker = threading.Thread(target=tick, name="compile-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
 
 
 @contextlib.contextmanager

@@ -82,7 +82,9 @@ REFUSALS = {
     # precision
     "fp8_preset_on_cpu": (["precision=fp8_delayed"], ["precision=bf16"], 1),
     "fp8_key_on_cpu": (["precision=bf16", "precision.fp8_recipe=delayed"], ["precision.fp8_recipe=null"], 1),
-    "mxfp8_on_hopper": (GPU8 + ["model=llama3_8b", "precision=mxfp8", "launcher=plan"], ["precision=fp8_delayed"], 2),
+    # the first Fix carries the memory Fix of the config it leaves: one step to a run that fits
+    "mxfp8_on_hopper": (GPU8 + ["model=llama3_8b", "precision=mxfp8", "launcher=plan"],
+                        ["precision=fp8_delayed", "train.recompute=full"], 1),
     # engines
     "alltoall_on_cpu": (["model=tiny_mixtral", "parallel.ep=2"], ["parallel.moe_token_dispatcher=allgather"], 1),
     "megatron_stage3_on_cpu": (["zero=stage3"], ["zero.stage=1"], 1),
@@ -114,7 +116,8 @@ REFUSALS = {
                          "parallel.moe_token_dispatcher=allgather"], ["model=tiny_mixtral", "train.seq_length=256"], 1),
     # NVLink domains
     "tp_across_nodes": (GPU8 + ["model=llama3_70b", "cluster.nodes=2", "parallel.tp=16", "model.num_query_groups=16",
-                                "launcher=plan"], ["parallel.tp=8"], 2),
+                                "launcher=plan"],
+                        ["parallel.tp=8", "train.recompute=full", "parallel.sp=true", "parallel.pp=2"], 1),
     "ep_across_nodes": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "cluster.nodes=2", "parallel.ep=16",
                                 "model.num_experts=16", "launcher=plan"], ["parallel.ep=8"], 1),
     # evaluation, tracking, data

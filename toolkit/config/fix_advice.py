@@ -67,3 +67,10 @@ def tried_with(cfg, overrides: dict):
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def yaml_value(text: str):
+    """A command-line value as Hydra reads it (`true`, `8`, `null`, `[1,3]`, a string)."""
+    import yaml
+
+    return yaml.safe_load(text)

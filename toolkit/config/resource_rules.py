@@ -13,7 +13,9 @@ from ..planning.machine_probe import host_memory_bytes
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
 from ..planning.placement import plan_placement
 from ..planning.plan import Plan
-from .fix_advice import divisors, fix_text, nearest_first, override_words, tried_with
+from ..conf_dir import CONF_DIR
+from ..planning.plan import derive_plan
+from .fix_advice import divisors, fix_overrides, fix_text, nearest_first, override_words, tried_with, yaml_value
 from .input_rules import check_engine
 from .layout_rules import check_nvlink_domains, layout_passes
 
@@ -186,3 +188,46 @@ def check_memory(cfg, plan: Plan) -> list[str]:
     else:
         fix = "Fix: fewer layers or a smaller model (no recompute, ZeRO-1, TP/PP or node count up to 64 times fits it)."
     return [f"estimated memory per GPU {est.describe()} exceeds {gpu.name}'s {cap:.1f} GiB. {fix}"]
+
+
+def fix_that_fits(cfg, problem: str) -> str:
+    """`problem` with its Fix extended by the memory Fix of the config the Fix leaves, where
+    that config (its layout valid) would not fit the GPU: following the first Fix then gives
+    a run that fits, in one step. A Fix of key overrides or a group's option (whose file's
+    values are tried as that group's keys); others, and Fixes that fit, are left as they are."""
+    overrides = fix_overrides(problem)
+    if not overrides or cfg.cluster.device != "cuda":
+        return problem
+    trial = _as_keys(cfg, overrides)
+    if trial is None:
+        return problem
+    with tried_with(cfg, trial) as tried:
+        layout = ParallelLayout.from_config(tried)
+        if layout.problems():
+            return problem
+        try:
+            memory = check_memory(tried, derive_plan(tried, layout, plan_placement(layout)))
+        except Exception:  # noqa: BLE001 - a config the Fix leaves that cannot be planned: its own refusal says why
+            return problem
+    more = fix_overrides(memory[0]) if memory else None
+    if not more:
+        return problem
+    words = " ".join(overrides)
+    return problem.replace(f"Fix: {words}", f"Fix: {words} {' '.join(more)}", 1)
+
+
+def _as_keys(cfg, overrides: list[str]) -> dict | None:
+    """Overrides as dotted keys and values: `group=option` becomes that option's file's values
+    under the group; None where one is neither a key of `cfg` nor a group's option."""
+    out = {}
+    for word in overrides:
+        key, _, value = word.partition("=")
+        option = CONF_DIR / key / f"{value}.yaml"
+        if "." not in key and option.is_file():
+            values = OmegaConf.to_container(OmegaConf.load(option))
+            out |= {f"{key}.{k}": v for k, v in values.items() if k != "defaults"}
+        elif OmegaConf.select(cfg, key, default="absent") != "absent":
+            out[key] = yaml_value(value)
+        else:
+            return None
+    return out

@@ -23,7 +23,7 @@ from .layout_rules import (check_batch, check_context_parallel, check_cp_comm_ty
 from .precision_rules import (  # noqa: F401 - the machine checks, read from here by the worker and the tests
     LAYER_SPEC_WITHOUT_TE, check_precision, check_torch_native_paths, fp8_machine_problems,
     layer_spec_machine_problems)
-from .resource_rules import check_host_memory, check_memory, world_size_fix
+from .resource_rules import check_host_memory, check_memory, fix_that_fits, world_size_fix
 
 
 class ConfigError(ValueError):
@@ -78,6 +78,8 @@ def validate(cfg, for_launch: bool = True) -> Plan:
             predict_communication(cfg, layout)
         except CommProfileProblem as e:
             problems.append(str(e))
+    if problems:  # following the first Fix must leave a run that fits, not one more refusal
+        problems[0] = fix_that_fits(cfg, problems[0])
     if problems:
         raise ConfigError(problems)
     return plan

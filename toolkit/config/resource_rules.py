@@ -7,14 +7,14 @@ from __future__ import annotations
 import itertools
 import math
 from omegaconf import OmegaConf
+
+from ..conf_dir import CONF_DIR
 from ..data.packing import longest_document
 from ..planning.layout import ParallelLayout, max_seqlen_per_rank
 from ..planning.machine_probe import host_memory_bytes
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
 from ..planning.placement import plan_placement
-from ..planning.plan import Plan
-from ..conf_dir import CONF_DIR
-from ..planning.plan import derive_plan
+from ..planning.plan import CommProfileProblem, Plan, derive_plan
 from .fix_advice import divisors, fix_overrides, fix_text, nearest_first, override_words, tried_with, yaml_value
 from .input_rules import check_engine
 from .layout_rules import check_nvlink_domains, layout_passes
@@ -207,13 +207,14 @@ def fix_that_fits(cfg, problem: str) -> str:
             return problem
         try:
             memory = check_memory(tried, derive_plan(tried, layout, plan_placement(layout)))
-        except Exception:  # noqa: BLE001 - a config the Fix leaves that cannot be planned: its own refusal says why
+        except CommProfileProblem:  # the config the Fix leaves cannot be priced: its own refusal says why
             return problem
     more = fix_overrides(memory[0]) if memory else None
     if not more:
         return problem
     words = " ".join(overrides)
-    return problem.replace(f"Fix: {words}", f"Fix: {words} {' '.join(more)}", 1)
+    merged = dict(word.split("=", 1) for word in overrides) | dict(word.split("=", 1) for word in more)
+    return problem.replace(f"Fix: {words}", f"Fix: {' '.join(f'{k}={v}' for k, v in merged.items())}", 1)
 
 
 def _as_keys(cfg, overrides: list[str]) -> dict | None:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU machine's whole session in the background: the set-up, the GPU tier, then the TE
+# bench suite, writing results and logs under /tmp/gwres. A device call's command may run
+# 10 minutes and the tier plus the suite take longer, so the first call starts this with
+# setsid (it outlives the call) and each later call, made at once, waits and copies
+# /tmp/gwres to $OUT (docs/development.md, "A whole GPU session"). It runs from a copy of
+# the checkout, so a later call's fresh copy of the tree does not change the code under it.
+#   setsid nohup bash evaluations/gpu_session.sh COMMIT [all|tier|core|bench] >/dev/null 2>&1 </dev/null &
+# all: the tier's core tests (TE resume, conversion, TE and cuBLASLt GEMMs), the rest of the
+# tier, then `bench_gpu --suite te`; tier: the tier only; core: its core tests only; bench:
+# the suite only. Needs .whl/ and .te/ carried (docs/development.md, "Transformer Engine").
+R=/tmp/gwres; W=/tmp/gw; MODE=${2:-all}
+mkdir -p $R
+exec > $R/session.log 2>&1
+set -x
+date
+rm -rf $W; cp -r "$PWD" $W; cd $W
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export GRIDWRIGHT_COMMIT=${1:?commit}
+bash .te/install_te.sh .te /tmp/tesite && export PYTHONPATH=/tmp/tesite:$PYTHONPATH
+python -m pip install -q --no-deps .whl/*.whl && python -m pip install -q --no-deps --no-build-isolation -e .
+if [ "$MODE" != bench ]; then
+    budget=420; [ "$MODE" = core ] && budget=240
+    timeout $((budget + 30)) python -m gridwright.evaluations.gpu_tier --out $R --budget $budget --test-timeout 200 \
+        -- -k "resumes_exactly or converts or computes_in_fp8 or cublaslt" > $R/gpu_tier_core.log 2>&1
+    echo "core done: rc=$?"; date
+    [ "$MODE" = core ] && exit 0
+    cp $R/gpu_tier_1x*.json $R/core.json
+    timeout 700 python -m gridwright.evaluations.gpu_tier --out $R --budget 660 --test-timeout 200 \
+        --resume $R/core.json > $R/gpu_tier_rest.log 2>&1
+    echo "tier done: rc=$?"; date
+    [ "$MODE" = tier ] && exit 0
+fi
+timeout 1500 python -m gridwright.evaluations.bench_gpu --suite te --out $R --jobs /tmp/jb --case-timeout 160 \
+    > $R/bench.log 2>&1
+echo "bench done: rc=$?"; date

@@ -53,8 +53,6 @@ def check_host_memory(cfg, plan: Plan, for_launch: bool) -> list[str]:
 
 def _tiny_model_fix(cfg) -> dict | None:
     """The tiny model of the same kind (dense or MoE), with a sequence its positions allow."""
-    from .compose import CONF_DIR
-
     name = TINY_MODELS["moe" if cfg.model.num_experts else "dense"]
     if cfg.model.name == name:
         return None

@@ -205,7 +205,8 @@ def first_start(cfg):
               f"measured on 2 CPU cores, at this machine's load {busy + 1:.1f}); once, cached by torch afterwards",
               flush=True)
     started = time.perf_counter()
-    with printed_lines_filtered(), compile_progress(pending if announce else [], estimate if announce else 0):
+    progress = compile_progress(pending, estimate) if announce else contextlib.nullcontext()
+    with printed_lines_filtered(), progress:
         yield
     if announce:
         print(f"deepspeed   compiled {', '.join(pending)} and started in {time.perf_counter() - started:.0f} s",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
+from ..basics.atomic_io import remove_stale_stages, scratch_directory, staged_directory, unwritable_reason
 from ..checkpoints.checkpoint_dir import LATEST, iteration_name
 from ..checkpoints.checkpoint_trust import TRUST_FLAG, UntrustedCheckpointFile, guard_process
 from ..families import weight_table as wm
@@ -45,7 +45,7 @@ from ..families.hf_config import (
     transformers_config,
 )
 from ..versions.megatron_version import refusal as megatron_core_refusal
-from ..runtime.known_warnings import filter_known_warnings
+from ..basics.known_warnings import filter_known_warnings
 from ..versions.torch_version import refusal as torch_refusal
 from .deepspeed_files import NotADeepSpeedCheckpoint, consolidated_weights, find_deepspeed_checkpoint, read_manifest
 from .hf_files import SIDE_FILES, SafetensorsSource, StreamingSafetensorsWriter
@@ -78,7 +78,7 @@ def toolkit_version() -> str:
 
 def check_layout(model: dict, tp: int, pp: int, vpp: int | None, ep: int) -> dict:
     """Validate the target layout with the same rules as `launch.py`; returns its record."""
-    from ..config.validation import ConfigError, validate
+    from ..validation.validate import ConfigError, validate
 
     cfg = layout_run_config(model, tp, pp, vpp, ep, seq_length=8 * tp)
     cfg.launcher.name, cfg.tracking.enabled = "plan", False
@@ -608,6 +608,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import exit_without_final_collection
+    from gridwright.basics.process_exit import exit_without_final_collection
 
     exit_without_final_collection(main())

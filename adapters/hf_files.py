@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..path_rules import PathRefused, model_folder_file, read_bounded_text
+from ..basics.path_rules import PathRefused, model_folder_file, read_bounded_text
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

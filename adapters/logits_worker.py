@@ -130,7 +130,7 @@ def main() -> bool:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import exit_without_final_collection
+    from gridwright.basics.process_exit import exit_without_final_collection
     from gridwright.runtime.process_tree import exit_at_once
 
     if main():

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 from gridwright.analysis.trace_analysis import COMMUNICATION_FILE, TraceError, analyze, format_report
 
 

@@ -9,7 +9,7 @@ import time
 from gridwright.config.compose import compose_config
 from gridwright.planning.layout import ParallelLayout
 from gridwright.planning.placement import plan_placement
-from gridwright.config.validation import validate
+from gridwright.validation.validate import validate
 
 LAYOUTS = [  # (world, tp, pp, cp, ep)
     (8, 1, 1, 1, 8),

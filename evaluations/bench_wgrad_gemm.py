@@ -8,7 +8,7 @@ unfused, the GEMM writes a bf16 product and a second kernel adds it; fused, the 
 into the buffer itself (`engine.gradient_accumulation_fusion`). Both in bf16
 (`torch.addmm(..., out_dtype=float32)`) and in float8 (torchao's tensorwise scaling:
 dy in e5m2, x in e4m3; unfused `torch._scaled_mm`, fused cuBLASLt through
-`gridwright.runtime.float8_gemm`). The table gives each form's time and the relative error
+`gridwright.torch_internals.float8_gemm`). The table gives each form's time and the relative error
 of the added product against the same product in fp32 arithmetic (for float8, of the
 dequantized float8 operands: the error of the GEMM, not of the quantization).
 """
@@ -47,7 +47,7 @@ def measure(name: str, out_features: int, in_features: int, tokens: int) -> dict
     import torch
 
     from gridwright.megatron_internals.wgrad_accumulation import accumulate_weight_gradient, to_float8
-    from gridwright.runtime.float8_gemm import accumulate_float8_gemm
+    from gridwright.torch_internals.float8_gemm import accumulate_float8_gemm
 
     torch.manual_seed(0)
     dy = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)

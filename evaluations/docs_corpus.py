@@ -23,7 +23,7 @@ import json
 from html.parser import HTMLParser
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 
 TEXT_TAGS = {"p", "h1", "h2", "h3", "h4", "li", "pre", "blockquote", "dd", "dt", "td"}
 SKIPPED_TAGS = {"script", "style", "nav", "head", "noscript"}

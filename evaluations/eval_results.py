@@ -29,12 +29,13 @@ def estimate_now(job: Path) -> float:
     """This code's memory estimate for the job's config, without the fixed workspace (which
     the allocator's peak does not hold), to compare with the measured peak."""
     from gridwright.planning.layout import ParallelLayout
+    from gridwright.engine_rules.registry import rules
     from gridwright.planning.memory_estimate import estimate_memory
 
     cfg = load_job_config(job)
     if OmegaConf.select(OmegaConf.load(job / CONFIG_FILE), "engine.fused_adam") is None:
         cfg.engine.fused_adam = False  # a job from before the fused Adam ran the foreach form
-    est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
+    est = estimate_memory(cfg, ParallelLayout.from_config(cfg), rules(cfg.engine))
     return est.total_gib - est.workspace_gib
 
 

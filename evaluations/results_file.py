@@ -13,7 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evaluations" / "results"

@@ -2,7 +2,7 @@
 
     python -m gridwright.launchers.agent --job-dir DIR [torchrun options]
 
-runs torchrun's agent in this process with `-m gridwright.runtime.worker --job-dir DIR` as the
+runs torchrun's agent in this process with `-m gridwright.launchers.worker --job-dir DIR` as the
 entry point, and adds what torchrun leaves out:
 
 * every process it starts carries this node's run token (gridwright.runtime.process_tree), and
@@ -202,7 +202,7 @@ def _torchrun(job_dir: Path, torchrun_args: list[str], console: "Console") -> No
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    args = parse_args([*torchrun_args, "-m", "gridwright.runtime.worker", "--job-dir", str(job_dir)])
+    args = parse_args([*torchrun_args, "-m", "gridwright.launchers.worker", "--job-dir", str(job_dir)])
     if args.master_port is None:
         args.master_port = 29500  # as torchrun's run() does
     config, entrypoint, entry_args = config_from_args(args)
@@ -236,7 +236,7 @@ def _rank_logs(job_dir: Path, console: "Console"):
 def _record_exits(job_dir: Path, node: int, failures: dict) -> None:
     """The exit code torchrun saw for each failed rank of this node, for the failure report
     (a rank killed by a signal leaves no error file)."""
-    from gridwright.atomic_io import write_text_atomic
+    from gridwright.basics.atomic_io import write_text_atomic
     from gridwright.runtime.jobdir import node_exits_file
 
     codes = {str(rank): failure.exitcode for rank, failure in failures.items()}
@@ -484,6 +484,6 @@ class JobRun:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import exit_without_final_collection
+    from gridwright.basics.process_exit import exit_without_final_collection
 
     exit_without_final_collection(main())

@@ -19,7 +19,7 @@ def worker_env(cfg) -> dict[str, str]:
 def max_connections(engine, parallel) -> int:
     """CUDA_DEVICE_MAX_CONNECTIONS (hardware queues per GPU): engine.cuda_device_max_connections,
     else what the engine's rules ask for."""
-    from ..engines.registry import rules
+    from ..engine_rules.registry import rules
 
     if engine.cuda_device_max_connections is not None:
         return engine.cuda_device_max_connections

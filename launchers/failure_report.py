@@ -6,7 +6,7 @@ one line, where to read the rest and, where the cause is known, what to change. 
 directory holds it (layout in gridwright.runtime.jobdir):
 
 * `logs/rank<N>.error.json`: torchrun's error file, written by a rank whose error nothing
-  handled (gridwright.runtime.worker): "Type: message", the traceback, and when;
+  handled (gridwright.launchers.worker): "Type: message", the traceback, and when;
 * `logs/node<K>.exits.json`: the exit code torchrun saw for each failed rank of node K (a
   rank killed by a signal leaves no error file);
 * `logs/rank<N>.log`: all the rank printed, tracebacks included;

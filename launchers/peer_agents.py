@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 
 AGENTS_DIR = "agents"
 LOST_FILE = "lost.json"

@@ -7,7 +7,7 @@ that node itself reports (`hostname --ip-address`, run there by srun, as TorchTi
 and NeMo-Run's scripts do): node names need not resolve on the other nodes.
 
 The script is requeue-safe: a requeued job re-runs it on the same job directory, and the
-workers resume from the newest checkpoint into the same MLflow run (gridwright.runtime.worker).
+workers resume from the newest checkpoint into the same MLflow run (gridwright.launchers.worker).
 Each node's output goes to its own file, `slurm-<job>-node<N>.out`, lines labelled.
 
 Quoting: job directories and interpreters may hold spaces, quotes, unicode. The `#SBATCH`
@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 
 from .environment import worker_env
 

@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 
 from .environment import worker_env
 

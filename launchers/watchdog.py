@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from gridwright.atomic_io import write_text_atomic
+from gridwright.basics.atomic_io import write_text_atomic
 from gridwright.runtime.heartbeat import STACK_SIGNAL, read_heartbeats, stacks_file
 
 from .peer_agents import PeerAgents

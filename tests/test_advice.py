@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gridwright.config.compose import compose_config, composition_notes, group_choices
-from gridwright.config.validation import OVERRIDE_WORD, ConfigError, fix_overrides, validate
+from gridwright.validation.validate import OVERRIDE_WORD, ConfigError, fix_overrides, validate
 
 GPU8 = ["cluster=dgx_h100", "precision=bf16", "zero=stage1", "train.seq_length=4096",
         "train.micro_batch_size=1", "train.global_batch_size=64"]
@@ -315,11 +315,12 @@ def test_host_memory_rule_on_this_machine():
     within 90 % of this machine's memory; a plan, torchrun or Slurm job for other machines,
     and a validation not for a launch, are not measured against this machine."""
     from gridwright.planning.layout import ParallelLayout
-    from gridwright.planning.machine_probe import host_memory_bytes
+    from gridwright.runtime.machine_probe import host_memory_bytes
+    from gridwright.engine_rules.registry import rules
     from gridwright.planning.memory_estimate import GIB, host_memory_estimate
 
     cfg, problems = refusal(["model=llama3_8b"])
-    per = host_memory_estimate(cfg, ParallelLayout.from_config(cfg))
+    per = host_memory_estimate(cfg, ParallelLayout.from_config(cfg), rules(cfg.engine))
     have = host_memory_bytes()
     assert per.total_gib * 2 * GIB > 0.9 * have
     assert problems == [
@@ -399,7 +400,7 @@ SPEED_NOTES = {
 
 @pytest.mark.parametrize("name", sorted(SPEED_NOTES))
 def test_speed_notes_name_only_missing_settings_that_validate(name):
-    from gridwright.config.speed_notes import speed_notes
+    from gridwright.validation.speed_notes import speed_notes
 
     overrides, expected = SPEED_NOTES[name]
     cfg = compose_config(overrides)
@@ -425,7 +426,7 @@ def test_te_delayed_scaling_is_told_of_the_float8_output_layer_where_te_is_insta
     TE's FP8, and the note measured for it names the float8 output layer; following it validates."""
     import importlib.util
 
-    from gridwright.config.speed_notes import speed_notes
+    from gridwright.validation.speed_notes import speed_notes
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -2,7 +2,7 @@
 the validation refuses (a trace window past the last step, say) is device time lost."""
 import pytest
 
-from gridwright.config.validation import ConfigError, validate
+from gridwright.validation.validate import ConfigError, validate
 from gridwright.evaluations.bench_gpu import COMMON, SUITES, table
 
 # What bench_gpu adds on the machine (device_overrides): the card the results were made on.

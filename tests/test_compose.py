@@ -3,7 +3,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from gridwright.conf_dir import CONF_DIR, PRESET_GROUPS
+from gridwright.basics.conf_dir import CONF_DIR, PRESET_GROUPS
 
 PRESETS = [(group, path.stem) for group in PRESET_GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
 
@@ -25,7 +25,7 @@ def test_the_users_presets_and_the_benchmarks_are_separate_groups():
 
 @pytest.mark.parametrize("group, name", PRESETS)
 def test_every_preset_composes_and_validates(compose, group, name):
-    from gridwright.config.validation import validate
+    from gridwright.validation.validate import validate
 
     # the engines comparison's points start from weights `same_weights` writes first
     weights = ["checkpoint.load=null"] if name.startswith("engines_") else []

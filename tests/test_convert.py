@@ -355,7 +355,7 @@ def test_command_line_with_verify(models, tmp_path):
 
 
 def test_staged_directory_leaves_nothing_on_error_and_keeps_a_late_arrival(tmp_path):
-    from gridwright.atomic_io import staged_directory
+    from gridwright.basics.atomic_io import staged_directory
 
     final = tmp_path / "out"
     with pytest.raises(RuntimeError):
@@ -381,7 +381,7 @@ def test_failure_mid_write_leaves_no_output(tmp_path):
     """An error while tensors stream (after planning passed) surfaces as itself, and the
     half-written checkpoint is removed."""
     from gridwright.adapters.megatron_files import Slice, write_checkpoint
-    from gridwright.atomic_io import staged_directory
+    from gridwright.basics.atomic_io import staged_directory
 
     slices = [Slice("a", (0,), (4,), (4,), torch.float32), Slice("b", (0,), (4,), (4,), torch.float32)]
 

@@ -98,7 +98,7 @@ def test_train_on_blended_indexed_data_with_validation_and_exact_resume(run_laun
     (["data.weights=[1.0,2.0]"], "data.weights has 2 entries for 1 data.paths"),
 ])
 def test_data_checks_before_start(compose, tmp_path, overrides, expected):
-    from gridwright.config.validation import ConfigError, validate
+    from gridwright.validation.validate import ConfigError, validate
 
     prepare([write_jsonl(tmp_path / "a.jsonl", 50)], tmp_path / "a", "byte")
     cfg = compose("data.kind=indexed", f"data.paths=[{tmp_path / 'a'}]", "model.vocab_size=264", *overrides)
@@ -107,7 +107,7 @@ def test_data_checks_before_start(compose, tmp_path, overrides, expected):
 
 
 def test_missing_dataset_is_refused(compose, tmp_path):
-    from gridwright.config.validation import ConfigError, validate
+    from gridwright.validation.validate import ConfigError, validate
 
     cfg = compose("data.kind=indexed", f"data.paths=[{tmp_path / 'nothing'}]")
     with pytest.raises(ConfigError, match="dataset files missing"):

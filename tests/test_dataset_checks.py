@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from gridwright.config.validation import ConfigError, validate
+from gridwright.validation.validate import ConfigError, validate
 from gridwright.data.data_source import expected_bin_bytes
 from gridwright.data.prepare_data import dataset_info, main as prepare_main, prepare
 from test_data import write_jsonl

@@ -123,7 +123,7 @@ def test_importing_the_fence_under_another_deepspeed_exits_with_the_refusal(tmp_
 def test_an_untested_transformers_is_refused_before_a_deepspeed_run_on_the_hugging_face_model(monkeypatch, compose):
     """The DeepSpeed engine's Hugging Face models are one transformers release's classes; another
     is refused in one line at validation (local launch) and again where the job's ranks build."""
-    from gridwright.engines import deepspeed_rules
+    from gridwright.engine_rules import deepspeed_rules
     from gridwright.planning.layout import ParallelLayout
     from gridwright.versions import transformers_version
 

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from conftest import REPO
 
-from gridwright.atomic_io import remove_stale_stages
+from gridwright.basics.atomic_io import remove_stale_stages
 
 
 def launch(tmp_path: Path, *args, timeout=300) -> subprocess.CompletedProcess:

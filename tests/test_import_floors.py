@@ -1,19 +1,6 @@
-"""The package's import floors: no module imports from a floor above its own, not even
-inside a function, and no modules import each other in a circle.
-
-    floor 0  plain values: the schema, composition, planning (layout, placement, parameter
-             counts, FLOPs, memory, communication), the version fences, the families'
-             declarations, the job directory's small files, the process exit. None of them imports torch,
-             DeepSpeed, Megatron-Core, MLflow or transformers, at any depth: planning stays
-             fast and works on a broken install.
-    floor 1  validation and the readers it calls (checkpoints, datasets, Hugging Face
-             configs, the machine probe), each engine's torch-free rules, the DeepSpeed
-             fence (the checkpoint reader takes DeepSpeed's pickled classes from it), and the
-             runtime helpers the engines call
-    floor 2  engines and adapters (gridwright.engines, gridwright.adapters,
-             gridwright.megatron_internals)
-    floor 3  launchers and commands (gridwright.launchers, gridwright.evaluations, cli,
-             __main__, the worker, sweeps, sync and the MLflow runs)
+"""The package's floors: each subpackage sits on one floor of `FLOORS` and imports only from
+the floors below it, not even inside a function, and no modules import each other in a
+circle. Composing, validating and planning import no heavy package at any depth.
 """
 import ast
 import re
@@ -26,27 +13,33 @@ import pytest
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Every installed package (gridwright.conf holds YAML only).
 PACKAGES = [p for p in tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["packages"] if p != "gridwright.conf"]
-FLOOR_0 = ("gridwright.atomic_io", "gridwright.conf_dir", "gridwright.path_rules", "gridwright.process_exit", "gridwright.config.schema", "gridwright.config.fp8_choice", "gridwright.config.compose", "gridwright.planning.layout",
-           "gridwright.planning.placement", "gridwright.planning.model_math", "gridwright.planning.memory_estimate",
-           "gridwright.planning.comm_model", "gridwright.planning.disk_space", "gridwright.planning.plan",
-           "gridwright.versions", "gridwright.families.declaration",
-           "gridwright.families.common", "gridwright.families.registry", "gridwright.families.llama",
-           "gridwright.families.mistral", "gridwright.families.mixtral", "gridwright.families.qwen2",
-           "gridwright.families.qwen3", "gridwright.families.qwen3_moe", "gridwright.engines.protocol",
-           "gridwright.engines.registry", "gridwright.engines.timeouts", "gridwright.engines.zero_settings",
-           "gridwright.runtime.heartbeat", "gridwright.runtime.jobdir", "gridwright.runtime.known_warnings",
-           "gridwright.runtime.loopback", "gridwright.runtime.process_tree", "gridwright.runtime.outcome",
-           "gridwright.runtime.metric_sinks", "gridwright.tracking.run_owner",
-           "gridwright.tracking.store", "gridwright.tracking.sweep_report", "gridwright.tracking.headline",
-           "gridwright.tracking.runs_view")
-FLOOR_2 = ("gridwright.engines", "gridwright.adapters", "gridwright.megatron_internals")
-# Inside gridwright.engines, what validation and planning read without loading an engine.
-ENGINE_RULES = ("gridwright.engines.registry", "gridwright.engines.protocol", "gridwright.engines.megatron_rules",
-                "gridwright.engines.deepspeed_rules", "gridwright.engines.zero_settings")
-FLOOR_3 = ("gridwright.launchers", "gridwright.evaluations", "gridwright.cli", "gridwright.__main__",
-           "gridwright.runtime.worker", "gridwright.tracking.sweep", "gridwright.tracking.sync",
-           "gridwright.tracking.mlflow_runs")
-# What floor 0 never imports, at any depth.
+# The declared order, ground first: a package may import the packages above it in this
+# list and never those below it (docs/development.md draws the same table).
+FLOORS = (
+    "basics",               # atomic files, path rules, exit codes, the conf folder
+    "versions",             # the fences of torch, Megatron-Core, DeepSpeed, transformers
+    "families",             # the model families' declarations and Hugging Face configs
+    "data",                 # datasets, tokenizers, packing
+    "torch_internals",      # the doors to upstream internals: torch (native bindings),
+    "megatron_internals",   #   Megatron-Core
+    "deepspeed_internals",  #   and DeepSpeed
+    "planning",             # layout, placement, FLOPs, memory, communication, disk, the plan
+    "config",               # the typed schema, composition, the FP8 choice
+    "checkpoints",          # checkpoint folders and the trusted reader
+    "runtime",              # the job directory, heartbeats, profiles, the machine probe
+    "engine_rules",         # each engine's torch-free rules and the registry
+    "analysis",             # trace analysis
+    "tracking",             # MLflow runs, sweeps, the store
+    "validation",           # every rule a config must pass, with its Fix
+    "engines",              # the trainers and the one training loop
+    "adapters",             # checkpoint conversion and its verification
+    "launchers",            # the agents, the worker, local/multi-node/Slurm launches
+    "evaluations",          # benchmarks and checks
+    "",                     # gridwright itself: cli and __main__
+)
+# What these packages never import, at any depth: planning stays fast and works on a
+# broken install.
+TORCH_FREE = ("basics", "versions", "planning", "config", "engine_rules", "validation")
 HEAVY = ("torch", "deepspeed", "megatron", "mlflow", "transformers", "torchao", "safetensors", "transformer_engine")
 
 
@@ -54,14 +47,13 @@ def _under(module: str, prefixes) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
+def package(module: str) -> str:
+    """The package a module belongs to (a package's __init__ belongs to itself)."""
+    return module if module in PACKAGES else module.rsplit(".", 1)[0]
+
+
 def floor(module: str) -> int:
-    if _under(module, FLOOR_3):
-        return 3
-    if _under(module, FLOOR_0) or module in {p for p in PACKAGES}:
-        return 0  # a package's __init__ holds a docstring only
-    if module in ENGINE_RULES:
-        return 1
-    return 2 if _under(module, FLOOR_2) else 1
+    return FLOORS.index(package(module).removeprefix("gridwright").removeprefix("."))
 
 
 def package_roots() -> dict[str, Path]:
@@ -110,10 +102,16 @@ def test_every_folder_of_code_is_a_package_read_here():
 
 
 def test_every_module_was_read():
-    assert {"gridwright.config.validation", "gridwright.families.registry", "gridwright.engines.megatron_engine",
+    assert {"gridwright.validation.validate", "gridwright.families.registry", "gridwright.engines.megatron_engine",
             "gridwright.adapters.convert", "gridwright.launchers.local", "gridwright.cli"} <= set(GRAPH)
     unknown = {t for targets in GRAPH.values() for t in targets if t not in GRAPH}
     assert not unknown, f"imports of modules this test does not know: {sorted(unknown)}"
+
+
+def test_every_package_has_one_floor():
+    """FLOORS names every package once, and nothing else."""
+    declared = ["gridwright" + (f".{f}" if f else "") for f in FLOORS]
+    assert sorted(declared) == sorted(PACKAGES), set(declared) ^ set(PACKAGES)
 
 
 @pytest.mark.parametrize("name", sorted(GRAPH))
@@ -188,11 +186,27 @@ def heavy_imports(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("name", sorted(n for n in GRAPH if floor(n) == 0))
-def test_the_bottom_floor_imports_no_heavy_package(name):
-    """Floor 0 imports only floor 0 (the test above), and none of it imports a heavy
-    package even inside a function: composing and planning never load torch."""
+@pytest.mark.parametrize("name", sorted(n for n in GRAPH if package(n).removeprefix("gridwright.") in TORCH_FREE))
+def test_composing_validating_and_planning_import_no_heavy_package(name):
+    """None of these imports a heavy package even inside a function: composing, validating
+    and planning never load torch (the machine probe asks a child process)."""
     assert not heavy_imports(modules()[name]), f"{name} imports {sorted(heavy_imports(modules()[name]))}"
+
+
+def package_graph(graph: dict) -> dict:
+    """Which packages import which, from the modules' imports."""
+    out = {}
+    for name, targets in graph.items():
+        out.setdefault(package(name), set()).update(package(t) for t in targets if package(t) != package(name))
+    return out
+
+
+def test_no_two_packages_import_each_other():
+    found = circles(package_graph(GRAPH))
+    assert not found, f"packages importing each other in a circle: {found}"
+    planted = dict(GRAPH, **{"gridwright.planning.layout": GRAPH["gridwright.planning.layout"] | {
+        "gridwright.validation.validate"}})  # planning -> validation -> planning
+    assert circles(package_graph(planted))
 
 
 def test_the_heavy_search_finds_a_lazy_import(tmp_path):
@@ -209,15 +223,15 @@ def test_engine_rules_load_no_torch():
     import sys
 
     code = ("import sys, importlib\n"
-            f"for m in {list(ENGINE_RULES)!r}: importlib.import_module(m)\n"
+            f"for m in {[n for n in GRAPH if package(n) == 'gridwright.engine_rules']!r}: importlib.import_module(m)\n"
             "print(sorted(k for k in ('torch', 'deepspeed', 'megatron') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
-# The one place that picks an engine by name; everything else asks the engine's rules.
+# Outside the engines and their rules (where the registry picks an engine by name),
+# everything asks the engine's rules.
 ENGINE_BRANCH = re.compile(r'engine\.name\s*(==|!=|in\b|not in\b)|== "deepspeed"|== "megatron"')
-PICKS_THE_ENGINE = {"gridwright.engines.registry"}
 
 
 def engine_branches(path: Path) -> list[str]:
@@ -234,7 +248,7 @@ def test_no_engine_branches_outside_the_engines():
     """Engine policy lives with the engine (its rules module, its trainer): a branch on the
     engine's name anywhere else is a rule in the wrong place."""
     outside = {name: path for name, path in modules().items()
-               if not name.startswith("gridwright.engines") and name not in PICKS_THE_ENGINE}
+               if package(name) not in ("gridwright.engines", "gridwright.engine_rules")}
     found = [line for path in outside.values() for line in engine_branches(path)]
     assert not found, "engine branches outside gridwright.engines:\n" + "\n".join(found)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gridwright.config.fp8_choice import fp8_backend, transformer_engine_layers
-from gridwright.config.validation import (
+from gridwright.validation.validate import (
     LAYER_SPEC_WITHOUT_TE,
     fix_overrides,
     fp8_machine_problems,
@@ -78,7 +78,7 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
     TransformerConfig routes only the output layer."""
     from megatron.core.transformer import TransformerConfig
 
-    from gridwright.config.validation import validate
+    from gridwright.validation.validate import validate
     from gridwright.engines.megatron_model import choose_torch_native_paths
 
     for recipe in ("fp8_delayed", "fp8_tensorwise", "fp8_blockwise"):

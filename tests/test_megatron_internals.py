@@ -68,8 +68,8 @@ def test_a_worker_refuses_fp8_without_transformer_engine(compose):
     """Every launcher's worker repeats the FP8 check (only a local launch validates this
     machine before start): a Slurm worker must not train in bf16 under an FP8 config that
     neither Transformer Engine nor torchao can run here."""
-    from gridwright.planning.machine_probe import transformer_engine_available
-    from gridwright.runtime.worker import refuse_what_this_machine_cannot_run
+    from gridwright.runtime.machine_probe import transformer_engine_available
+    from gridwright.launchers.worker import refuse_what_this_machine_cannot_run
 
     if transformer_engine_available():
         pytest.skip("Transformer Engine imports here")

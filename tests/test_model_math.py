@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from gridwright.planning.layout import ParallelLayout
+from gridwright.engine_rules.registry import rules
 from gridwright.planning.memory_estimate import estimate_memory
 from gridwright.planning.model_math import (
     flops_per_token_all,
@@ -74,7 +75,7 @@ def test_zero_stages_shrink_memory_as_each_engine_shards(compose):
     stays whole, so the two get the same estimate; Megatron-FSDP (3) shards everything."""
     def states(engine, stage):
         cfg = compose("+experiment=llama3_8b", f"engine={engine}", f"zero=stage{stage}")
-        est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
+        est = estimate_memory(cfg, ParallelLayout.from_config(cfg), rules(cfg.engine))
         return est.weights_gib, est.grads_gib, est.optimizer_gib
 
     (w0, g0, o0), (w1, g1, o1), (w2, g2, o2), (w3, g3, o3) = (states("deepspeed", s) for s in (0, 1, 2, 3))
@@ -90,14 +91,14 @@ def test_recompute_shrinks_activations(compose):
     acts = {}
     for r in ("none", "full"):
         cfg = compose("+experiment=llama3_8b", f"train.recompute={r}")
-        acts[r] = estimate_memory(cfg, ParallelLayout.from_config(cfg)).activations_gib
+        acts[r] = estimate_memory(cfg, ParallelLayout.from_config(cfg), rules(cfg.engine)).activations_gib
     assert acts["full"] < acts["none"] / 5
 
 
 def test_llama3_8b_weights_by_hand(compose):
     """bf16 weights of Llama-3-8B at TP=2: 8.03e9 * 2 bytes / 2 = 7.5 GiB."""
     cfg = compose("+experiment=llama3_8b")
-    est = estimate_memory(cfg, ParallelLayout.from_config(cfg))
+    est = estimate_memory(cfg, ParallelLayout.from_config(cfg), rules(cfg.engine))
     assert est.weights_gib == pytest.approx(8.03e9 * 2 / 2 / 2**30, rel=0.02)
 
 

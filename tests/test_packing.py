@@ -230,7 +230,7 @@ def test_a_steps_flops_follow_its_documents_context(compose):
 
 
 def test_dynamic_cp_summary_and_headline_metrics():
-    from gridwright.runtime.worker import dynamic_cp_summary
+    from gridwright.launchers.worker import dynamic_cp_summary
     from gridwright.tracking.headline import run_metrics, step_metrics
 
     rows = [{"cp_groups": 3.0, "cp_schedule_ms": 1.0, "cp_barrier_ms": 5.0, "cp_imbalance_estimated": 1.02,

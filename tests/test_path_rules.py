@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gridwright.path_rules import (
+from gridwright.basics.path_rules import (
     PathRefused,
     entry_problem,
     model_folder_file,

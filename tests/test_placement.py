@@ -76,7 +76,7 @@ def test_json_and_csv_round_trip():
 
 
 def test_mixtral_ep8_plan(compose):
-    from gridwright.config.validation import validate
+    from gridwright.validation.validate import validate
 
     plan = validate(compose("+experiment=mixtral_ep8"), for_launch=False)
 

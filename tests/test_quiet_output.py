@@ -1,5 +1,5 @@
 """The terminal says only what gridwright says: upstream noise is filtered (each filter with
-its reason, gridwright.runtime.known_warnings), long waits print what they do with an
+its reason, gridwright.basics.known_warnings), long waits print what they do with an
 estimate, and a resume that changes the learning-rate schedule says so.
 
 The slow tests run the documented commands (the quick start, a DeepSpeed run, a
@@ -100,7 +100,7 @@ point       #0: parallel.tp=1"""
 
 
 def test_deepspeed_build_line_is_dropped_and_every_other_print_passes(capsys):
-    from gridwright.runtime.known_warnings import printed_lines_filtered
+    from gridwright.basics.known_warnings import printed_lines_filtered
 
     with printed_lines_filtered():
         print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
@@ -110,7 +110,7 @@ def test_deepspeed_build_line_is_dropped_and_every_other_print_passes(capsys):
 
 
 def test_kineto_usdt_lines_are_dropped_and_its_other_lines_kept(capfd):
-    from gridwright.runtime.known_warnings import native_stderr_filtered
+    from gridwright.basics.known_warnings import native_stderr_filtered
 
     with native_stderr_filtered():
         os.write(2, b"USDT:2026-11-28 06:27:15 13654:13654 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

@@ -1,6 +1,6 @@
 """What a run says on the terminal where the CPU runs cannot show it: a GPU run's MFU line
 (with its definition), and the word before DeepSpeed's first JIT compile."""
-from gridwright.runtime.worker import summary_lines
+from gridwright.launchers.worker import summary_lines
 
 
 def test_gpu_summary_names_the_mfu_definition_and_the_peak(compose):

@@ -51,7 +51,7 @@ def cmdline(proc: psutil.Process) -> list[str]:
 def workers_of(tree) -> list[psutil.Process]:
     """The worker processes, not their forked children (a checkpoint writer forked by a
     worker carries the worker's command line)."""
-    named = [p for p in tree if "gridwright.runtime.worker" in cmdline(p)]
+    named = [p for p in tree if "gridwright.launchers.worker" in cmdline(p)]
     pids = {p.pid for p in named}
     return [p for p in named if parent_pid(p) not in pids]
 

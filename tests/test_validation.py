@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from gridwright.config.validation import ConfigError, validate
+from gridwright.validation.validate import ConfigError, validate
 
 GPU8 = ["cluster=dgx_h100", "precision=bf16", "zero=stage1", "train.seq_length=4096",
         "train.micro_batch_size=1", "train.global_batch_size=64"]

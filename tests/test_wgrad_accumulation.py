@@ -23,7 +23,7 @@ from gridwright.megatron_internals.wgrad_accumulation import (
     accumulate_weight_gradient,
     float8_accumulates,
 )
-from gridwright.runtime.float8_gemm import accumulate_float8_gemm
+from gridwright.torch_internals.float8_gemm import accumulate_float8_gemm
 from gridwright.runtime.loopback import free_port
 
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from gridwright.engines.deepspeed_config import deepspeed_config
-from gridwright.engines.zero_settings import (GRIDWRIGHT_KEYS, explicit_deepspeed_only_keys,
+from gridwright.engine_rules.zero_settings import (GRIDWRIGHT_KEYS, explicit_deepspeed_only_keys,
                                               resolved_zero_settings, zero_settings_problems)
 from gridwright.planning.layout import ParallelLayout
 
@@ -176,7 +176,7 @@ def test_explicit_deepspeed_only_keys(compose):
 
 
 def test_plan_records_the_settings(compose):
-    from gridwright.config.validation import validate
+    from gridwright.validation.validate import validate
 
     cfg = compose(*DS, "zero=stage2", "zero.reduce_bucket_size=12345")
     record = validate(cfg, for_launch=False).record()
@@ -193,7 +193,7 @@ def test_sizes_are_integers_in_conf(compose):
 
 
 def test_module_imports_neither_torch_nor_deepspeed():
-    code = ("import sys, gridwright.engines.zero_settings; "
+    code = ("import sys, gridwright.engine_rules.zero_settings; "
             "print(','.join(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "", out.stdout + out.stderr
@@ -202,7 +202,7 @@ def test_module_imports_neither_torch_nor_deepspeed():
 def test_validation_refuses_through_each_engines_rules(compose):
     """engine=deepspeed reports zero_settings_problems; engine=megatron refuses every
     DeepSpeed-only key it was given."""
-    from gridwright.config.validation import ConfigError, validate
+    from gridwright.validation.validate import ConfigError, validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose(*DS, "zero=stage2", "zero.allgather_bucket_size=1001"), for_launch=False)

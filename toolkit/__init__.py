@@ -1,4 +1,4 @@
 """gridwright: plan, validate, launch and measure Megatron-Core and DeepSpeed training runs."""
-from .runtime.known_warnings import filter_known_warnings
+from .basics.known_warnings import filter_known_warnings
 
 filter_known_warnings()

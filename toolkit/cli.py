@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from .config.compose import composition_notes, strip_hydra
-from .config.speed_notes import speed_notes
-from .config.override_errors import command_line_error, unknown_key_message
-from .atomic_io import unwritable_reason, write_text_atomic
-from .process_exit import skip_final_collection
+from .validation.speed_notes import speed_notes
+from .validation.override_errors import command_line_error, unknown_key_message
+from .basics.atomic_io import unwritable_reason, write_text_atomic
+from .basics.process_exit import skip_final_collection
 from .checkpoints.checkpoint_dir import nothing_to_resume
 from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir,
                              planned_job_dir, read_json, same_job)
 from .runtime.outcome import EXIT_INVALID, Outcome
 from .planning.plan import Plan
-from .config.validation import ConfigError, validate
+from .validation.validate import ConfigError, validate
 
 if TYPE_CHECKING:
     from .tracking.sweep import SweepContext
@@ -63,7 +63,7 @@ def _layers_line(cfg) -> str | None:
     import importlib.util
 
     from .config.fp8_choice import planned_layers
-    from .engines.registry import rules
+    from .engine_rules.registry import rules
 
     if not rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel):
         return None

@@ -20,7 +20,7 @@ import re
 import socket
 from pathlib import Path
 
-from ..path_rules import PathRefused, entry_problem, open_regular, read_bounded_text, tree_problem, what_is
+from ..basics.path_rules import PathRefused, entry_problem, open_regular, read_bounded_text, tree_problem, what_is
 from .checkpoint_trust import UntrustedCheckpointFile, load_torch_file, read_dcp_metadata, refuse_pickled_code
 
 LATEST = "latest"
@@ -321,7 +321,7 @@ def shape_fix(recorded: dict, model_cfg) -> str:
     `model.KEY=` overrides of this preset are then overridden in turn)."""
     from omegaconf import OmegaConf
 
-    from ..conf_dir import CONF_DIR
+    from ..basics.conf_dir import CONF_DIR
 
     preset = CONF_DIR / "model" / f"{recorded.get('name')}.yaml"
     words = []

@@ -34,7 +34,7 @@ import pickle
 import re
 from pathlib import Path
 
-from ..path_rules import PathRefused, tree_problem
+from ..basics.path_rules import PathRefused, tree_problem
 
 TRUST_KEY = "checkpoint.trust_pickled_code"
 TRUST_FLAG = "--trust-pickled-code"
@@ -398,7 +398,7 @@ if __name__ == "__main__":  # python -m gridwright.checkpoints.checkpoint_trust 
     guard_process()
     target = sys.argv[1]
     sys.argv = [target, *sys.argv[2:]]
-    from gridwright.process_exit import skip_final_collection
+    from gridwright.basics.process_exit import skip_final_collection
 
     try:
         runpy.run_module(target, run_name="__main__", alter_sys=True)

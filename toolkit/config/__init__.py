@@ -1,1 +1,1 @@
-"""Configuration: the typed schema, Hydra composition, and every rule a composed experiment must pass."""
+"""Configuration: the typed schema, Hydra composition and the FP8 choice; the rules a config must pass are in `validation`."""

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from ..conf_dir import CONF_DIR, PRESET_GROUPS
+from ..basics.conf_dir import CONF_DIR, PRESET_GROUPS
 from .schema import RunConfig
 
 def register_schema() -> None:

@@ -6,7 +6,7 @@ with a closed set of values declares it (`choice`); validation checks every decl
 choice in one pass (`declared_choices`) and says which values exist. They stay `str`
 fields, not Enum-typed ones: OmegaConf 2.3 has no Literal, and an Enum mismatch would be
 Hydra's multi-line composition error (exit 1) instead of gridwright's one line (exit 2).
-The dataclasses carry no other logic; validation lives in `gridwright.config.validation`.
+The dataclasses carry no other logic; validation lives in `gridwright.validation.validate`.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from typing import Iterator, Optional
 
 from omegaconf import MISSING
 
-from ..engines.registry import ENGINES
 from ..families.registry import FAMILIES
 from ..planning.model_math import DEFINITIONS as FLOPS_DEFINITIONS
+
+# The engines a config may name; `engine_rules.registry` opens each one's rules by this name.
+ENGINES = ("megatron", "deepspeed")
 
 
 class Launcher(StrEnum):
@@ -201,7 +203,7 @@ class ZeroConfig:
     engine=megatron refuses them). None means DeepSpeed's documented default, except
     overlap_comm: on with CUDA at every stage (DeepSpeed's own: on at stage 3 only), off on
     CPU; stage3_leaf_layers, gridwright's: true. The values that
-    run are gridwright.engines.zero_settings.resolved_zero_settings (plan.json: zero_settings).
+    run are gridwright.engine_rules.zero_settings.resolved_zero_settings (plan.json: zero_settings).
     """
 
     stage: int = 0
@@ -309,7 +311,7 @@ class EngineConfig:
     # records each transformer layer's forward and backward on the first step and replays
     # them from the second on (Megatron-Core's local graphs; no Transformer Engine needed).
     # Fixed shapes only: refused with packed documents, dynamic CP, Megatron-FSDP, full
-    # recompute and on CPU (gridwright.engines.megatron_rules).
+    # recompute and on CPU (gridwright.engine_rules.megatron_rules).
     cuda_graphs: str = choice("none", CudaGraphs)
     # Megatron-Core's own fused kernels that need no Transformer Engine or Apex: SwiGLU
     # (bias_activation_fusion) and, with bf16 weights only, the vocabulary cross-entropy

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from .text_tokenizer import load_tokenizer
 
 SUFFIXES = (".bin", ".idx", ".json")

@@ -47,7 +47,7 @@ def whole_model(tag_dir: Path, file_names, load_torch_file) -> dict:
     if holds_zero_partitions(file_names):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from ..runtime.known_warnings import printed_lines_filtered
+        from ..basics.known_warnings import printed_lines_filtered
 
         with printed_lines_filtered():  # its narration of each step
             return dict(get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoints.checkpoint_trust import load_torch_file
-
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 
 CITED = [
@@ -58,16 +56,21 @@ def converter_args(source: Path, target: Path) -> list[str]:
             "--num_extract_workers", "1", "--num_merge_workers", "1"]
 
 
-def restore_zero3_param_groups(optimizer, universal: Path) -> None:
+def optimizer_state_file(universal: Path) -> Path:
+    """Where the converter leaves the optimizer's state, parameter groups included."""
+    return universal / "zero" / "optimizer_state.pt"
+
+
+def restore_zero3_param_groups(optimizer, saved: dict) -> None:
     """Repair DeepSpeed 0.19.8's ZeRO-3 universal load of `optimizer` (the engine's) from
-    the converted checkpoint `universal`. Its `load_hp_checkpoint_state_from_checkpoint_dir_stage3`
+    `saved`, the converted checkpoint's `optimizer_state_file`, read by the caller through
+    gridwright's checkpoint reader (this door sits below it). Its `load_hp_checkpoint_state_from_checkpoint_dir_stage3`
     copies the first saved parameter group's settings into every group (so the no-decay
     group decays: `wd_mult` 0 becomes 1), and gives every group one shared `step` tensor,
     which Adam then advances once per group (both measured). Put each group's settings
     back and give each its own step."""
     import torch
 
-    saved = load_torch_file(universal / "zero" / "optimizer_state.pt")
     groups = saved["optimizer_state_dict"]["param_groups"]
     for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})

@@ -114,7 +114,7 @@ def remember(choice: AttentionChoice, job_dir) -> None:
     import json
     from pathlib import Path
 
-    from ..atomic_io import write_text_atomic
+    from ..basics.atomic_io import write_text_atomic
 
     if job_dir:
         write_text_atomic(Path(job_dir) / CHOICE_FILE, json.dumps(choice.facts(), indent=1))

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from ..checkpoints.checkpoint_dir import LATEST, iteration_name, iterations, latest_name, step_of
 from ..planning.disk_space import DiskFull, is_disk_full, no_space_message
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ..atomic_io import scratch_directory, write_text_atomic
+from ..basics.atomic_io import scratch_directory, write_text_atomic
 from ..checkpoints.checkpoint_dir import (
     DEEPSPEED_MANIFEST,
     CheckpointError,
@@ -44,13 +44,13 @@ from ..checkpoints.checkpoint_dir import (
     model_differences,
     read_common,
 )
-from ..checkpoints.checkpoint_trust import guarded_module_command, refuse_pickled_code_on_every_rank
+from ..checkpoints.checkpoint_trust import guarded_module_command, load_torch_file, refuse_pickled_code_on_every_rank
 from ..deepspeed_internals import universal
 from ..checkpoints.logits_digest import digest, sample_tokens
 from ..planning.disk_space import checkpoint_bytes
 from .checkpoint_publish import staged_iteration
 from .optimizer_schedule import restore_schedule, set_adam_form
-from .deepspeed_rules import resharding, settings
+from ..engine_rules.deepspeed_rules import resharding, settings
 
 
 def logits_digest(trainer) -> dict:
@@ -164,7 +164,8 @@ def load(trainer, root: str | os.PathLike, job_dir: str | os.PathLike,
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {source}")
     if how == "universal" and cfg.zero.stage == 3:
-        universal.restore_zero3_param_groups(trainer.engine.optimizer, source)  # DeepSpeed's defects
+        saved = load_torch_file(universal.optimizer_state_file(source))
+        universal.restore_zero3_param_groups(trainer.engine.optimizer, saved)  # DeepSpeed's defects
     set_adam_form(trainer.engine.optimizer, cfg.engine.fused_adam)  # the loaded groups carry the saver's form
     schedule_change = restore_schedule(trainer.scheduler, common["scheduler"], int(common["step"]))
     return int(common["step"]), path, schedule_change

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..planning.layout import ParallelLayout
 from .optimizer_schedule import optimizer_config
-from .zero_settings import GRIDWRIGHT_KEYS, ZEROPP_OFF, resolved_zero_settings
+from ..engine_rules.zero_settings import GRIDWRIGHT_KEYS, ZEROPP_OFF, resolved_zero_settings
 
 
 def deepspeed_config(cfg, layout: ParallelLayout, load_universal: bool = False) -> dict:

@@ -29,11 +29,11 @@ from ..planning.layout import ParallelLayout
 from ..versions import transformers_version
 from .deepspeed_config import deepspeed_config
 from .deepspeed_evaluation import held_out_loss
-from .deepspeed_rules import builds_megatron_model
-from .zero_settings import resolved_zero_settings
+from ..engine_rules.deepspeed_rules import builds_megatron_model
+from ..engine_rules.zero_settings import resolved_zero_settings
 from .hf_model import causal_lm_loss, hf_config, initialise_as_megatron, load_hf_model
 from .optimizer_schedule import adamw, lr_scheduler, optimizer_config, param_groups
-from .protocol import Resumed
+from ..engine_rules.protocol import Resumed
 from .timeouts import collective_timeout, first_save_bound_s
 
 
@@ -194,7 +194,7 @@ def first_start(cfg):
     DeepSpeed's own "... built successfully" print, made by every rank at every start, is
     dropped (known_warnings.PRINTED)."""
     from ..deepspeed_internals.extensions import compile_estimate_s
-    from ..runtime.known_warnings import printed_lines_filtered
+    from ..basics.known_warnings import printed_lines_filtered
 
     pending = extensions_to_build(cfg.cluster, cfg.zero)
     announce = bool(pending) and os.environ.get("RANK", "0") == "0"

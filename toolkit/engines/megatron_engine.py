@@ -20,7 +20,7 @@ from . import megatron_checkpoint
 from ..megatron_internals.cpu_compat import cpu_compat
 from ..megatron_internals.fixes import apply_megatron_fixes, reduce_expert_grads_over_expert_dp
 from ..megatron_internals.parallel_linear import accumulate_weight_gradients_in_gemm
-from ..planning.machine_probe import transformer_engine_available
+from ..runtime.machine_probe import transformer_engine_available
 from ..config.fp8_choice import transformer_engine_layers
 from .megatron_model import (
     build_model_chunks,
@@ -30,7 +30,7 @@ from .megatron_model import (
     transformer_config_kwargs,
 )
 from .optimizer_schedule import lr_scheduler, optimizer_config, set_adam_form
-from .protocol import Resumed
+from ..engine_rules.protocol import Resumed
 from .megatron_groups import init_parallel, observed_coordinates
 from .timeouts import first_save_bound_s
 

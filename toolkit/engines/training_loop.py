@@ -18,7 +18,7 @@ from ..runtime.heartbeat import NO_PROGRESS, save_bound_s
 from ..runtime.profiling import ProfileWindow
 from ..runtime.step_metrics import timed_step, write_memory_record
 from . import attention_kernels
-from .registry import rules
+from ..engine_rules.registry import rules
 
 
 def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, progress=None) -> dict:

@@ -38,7 +38,7 @@ CONFIG_BYTES = 1 << 20  # a model's config.json is a few kB
 def raw_hf_config(hf_dir: str | Path) -> dict:
     """config.json as written (a small regular file of the folder; never a link out, a FIFO
     or a device), its model type one gridwright supports."""
-    from ..path_rules import PathRefused, model_folder_file, read_bounded_text
+    from ..basics.path_rules import PathRefused, model_folder_file, read_bounded_text
 
     path = Path(hf_dir) / "config.json"
     try:

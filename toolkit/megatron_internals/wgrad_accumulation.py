@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from ..runtime.float8_gemm import accumulate_float8_gemm
+from ..torch_internals.float8_gemm import accumulate_float8_gemm
 
 CITED = [
     # the calls this module answers, and the availability check `provide` satisfies

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from .layout import ParallelLayout
 from .model_math import ParamCounts, param_counts
 
@@ -757,7 +757,8 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     kind's where Megatron uses a related group (tied embeddings: first and last stage;
     aux loss: tp x cp; token counts: tp x ep). The terms are those of
     `_tp_calls`, `_cp_calls`, `_dp_calls`, `_edp_calls`, `_pp_calls` and `_ep_calls`,
-    for the Megatron engine. Micro-batches per step = global batch / (micro batch x DP).
+    for the Megatron engine (the plan calls this only for an engine whose rules say it
+    models its communication). Micro-batches per step = global batch / (micro batch x DP).
 
     Not modelled: scalar reductions of the optimizer (gradient norm, found-inf), the
     timers, expert-TP's all-gathers inside the alltoall dispatcher, bucket padding, and
@@ -765,11 +766,6 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
     counted at the params dtype). With a profile, raises UnmeasuredGroupSize when a
     needed (collective, group size) was not measured.
     """
-    from ..engines.registry import rules
-
-    if not rules(cfg.engine).CAPABILITIES.models_communication:
-        raise ValueError(f"predict_step_communication models the Megatron engine's collectives; engine "
-                         f"{cfg.engine.name} declares that it has no model")
     t, m = cfg.train, cfg.model
     s, cp, tp = int(t.seq_length), layout.cp, layout.tp
     sixteen = cfg.precision.params_dtype in ("bf16", "fp16")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..engines.registry import rules
 from .layout import ParallelLayout, max_seqlen_per_rank
 from .model_math import ParamCounts, param_counts
 
@@ -94,14 +93,15 @@ def _state_bytes(params: float, dp: int, zero, sharding, sixteen_bit: bool,
     return params * w, params * g, params * o
 
 
-def estimate_memory(cfg, layout: ParallelLayout, params: ParamCounts | None = None) -> MemoryEstimate:
-    """`params`: the model's parameter counts where the caller has them (a plan does)."""
+def estimate_memory(cfg, layout: ParallelLayout, engine, params: ParamCounts | None = None) -> MemoryEstimate:
+    """`engine`: the engine's rules (`engine_rules.registry.rules(cfg.engine)`), handed in so
+    that planning never imports an engine; `params`: the model's parameter counts where the
+    caller has them (a plan does)."""
     m, t = cfg.model, cfg.train
     pc = params or param_counts(m)
     tp, pp = layout.tp, layout.pp
     layers = m.num_layers // pp
     sixteen_bit = cfg.precision.params_dtype in ("bf16", "fp16")
-    engine = rules(cfg.engine)
     fp32_grads = engine.CAPABILITIES.grads_reduced_in_fp32
     sharding = engine.state_sharding(cfg.zero)
     act_bytes = 2.0 if sixteen_bit else 4.0
@@ -158,8 +158,8 @@ def estimate_memory(cfg, layout: ParallelLayout, params: ParamCounts | None = No
     return best
 
 
-def host_memory_estimate(cfg, layout: ParallelLayout, params: ParamCounts | None = None) -> MemoryEstimate:
+def host_memory_estimate(cfg, layout: ParallelLayout, engine, params: ParamCounts | None = None) -> MemoryEstimate:
     """One CPU process's memory: the per-rank terms of `estimate_memory`, with the runtime's
     footprint in place of the CUDA workspace. A CPU run on one machine needs this times its
     processes (cluster.gpus_per_node) of host memory."""
-    return replace(estimate_memory(cfg, layout, params), workspace_gib=CPU_PROCESS_GIB)
+    return replace(estimate_memory(cfg, layout, engine, params), workspace_gib=CPU_PROCESS_GIB)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..engines.registry import rules
 from .comm_model import CommProfile, predict_step_communication
 from .layout import ParallelLayout
 from .memory_estimate import MemoryEstimate, estimate_memory
@@ -62,26 +61,28 @@ class Plan:
         return plan_lines(self.record())
 
 
-def derive_plan(cfg, layout: ParallelLayout, placement: Placement) -> Plan:
-    """The plan of a config whose layout passed validation. Raises CommProfileProblem when
-    the cluster names a collective profile that cannot price this layout."""
+def derive_plan(cfg, layout: ParallelLayout, placement: Placement, engine) -> Plan:
+    """The plan of a config whose layout passed validation. `engine` is the engine's rules
+    (`engine_rules.registry.rules(cfg.engine)`), handed in so that planning imports no
+    engine. Raises CommProfileProblem when the cluster names a collective profile that
+    cannot price this layout."""
     params = param_counts(cfg.model)
     t = cfg.train
     return Plan(
         experiment=cfg.name, layout=layout, placement=placement, accumulation=layout.accumulation(t),
         tokens_per_step=int(t.global_batch_size) * int(t.seq_length), params=params,
         flops=flops_record(cfg, params),
-        memory=estimate_memory(cfg, layout, params) if cfg.cluster.device == "cuda" else None,
-        zero_settings=rules(cfg.engine).zero_settings(cfg.zero, cfg.cluster), comm_profile=cfg.cluster.comm_profile,
-        predicted_communication=predict_communication(cfg, layout, params))
+        memory=estimate_memory(cfg, layout, engine, params) if cfg.cluster.device == "cuda" else None,
+        zero_settings=engine.zero_settings(cfg.zero, cfg.cluster), comm_profile=cfg.cluster.comm_profile,
+        predicted_communication=predict_communication(cfg, layout, engine, params))
 
 
-def predict_communication(cfg, layout: ParallelLayout, params: ParamCounts | None = None) -> dict | None:
+def predict_communication(cfg, layout: ParallelLayout, engine, params: ParamCounts | None = None) -> dict | None:
     """Each group's communication per step under the cluster's collective profile; None
     without one, or for an engine whose collectives are not modelled. Raises
     CommProfileProblem when the profile cannot price this layout."""
     profile = cfg.cluster.comm_profile
-    if not profile or not rules(cfg.engine).CAPABILITIES.models_communication:
+    if not profile or not engine.CAPABILITIES.models_communication:
         return None
     try:
         return predict_step_communication(cfg, layout, CommProfile.load(profile), params)

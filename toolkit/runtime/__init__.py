@@ -1,1 +1,1 @@
-"""Runtime: one training process and what it leaves in the job directory (heartbeats, stops, profiles, step metrics)."""
+"""Runtime: what a running job writes and reads in its job directory (the job record, heartbeats, stops, profiles, step metrics) and the process helpers its launchers use."""

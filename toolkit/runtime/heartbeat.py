@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 
 HEARTBEAT_DIR = "heartbeats"
 STACKS_DIR = "stacks"

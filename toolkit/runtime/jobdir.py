@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from omegaconf import OmegaConf
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from ..planning.layout import ParallelLayout
 from ..planning.placement import Placement
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from .jobdir import METRICS_FILE
 
 

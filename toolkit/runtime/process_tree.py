@@ -95,7 +95,7 @@ def end_descendants(grace_s: float = 5.0) -> None:
 
 def exit_at_once(code: int) -> None:
     """End the process now without running destructors: after a CUDA run, tearing down its
-    NCCL groups or CUDA state has hung (runtime.worker says where). Output is flushed and
+    NCCL groups or CUDA state has hung (launchers.worker says where). Output is flushed and
     child processes ended first, as a normal exit would."""
     sys.stdout.flush()
     sys.stderr.flush()

@@ -21,8 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..atomic_io import write_text_atomic
-from .known_warnings import native_stderr_filtered
+from ..basics.atomic_io import write_text_atomic
+from ..basics.known_warnings import native_stderr_filtered
 
 TRACES_DIR = "traces"
 STEP_RANGE_PREFIX = "gridwright_step_"

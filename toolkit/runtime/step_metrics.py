@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from .jobdir import RANKS_DIR
 from .profiling import STEP_RANGE_PREFIX
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from ..runtime.jobdir import read_json
 
 OWNER_FILE = "run_owner.json"

@@ -48,7 +48,7 @@ def store_problem(uri: str) -> str | None:
 
 
 def _sqlite_problem(path: Path) -> str | None:
-    from ..path_rules import system_place, what_is
+    from ..basics.path_rules import system_place, what_is
 
     found = what_is(path)
     if found == "nothing":  # created by the first run, in a directory that must exist already

@@ -28,7 +28,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import open_dict, read_write
 
 from . import mlflow_runs as tracking
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from ..config.compose import strip_hydra
 from ..runtime.jobdir import JOB_FILE, SWEEP_FILE, SweepPoint, create_sweep_dir, planned_job_dir, read_json
 from ..runtime.outcome import Outcome

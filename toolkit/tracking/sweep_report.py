@@ -19,9 +19,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..conf_dir import PRESET_GROUPS
+from ..basics.conf_dir import PRESET_GROUPS
 
-from ..atomic_io import write_text_atomic
+from ..basics.atomic_io import write_text_atomic
 from ..runtime.jobdir import PLAN_FILE, SUMMARY_FILE, read_json
 from .headline import mfu_both, run_metrics
 

@@ -79,6 +79,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import exit_without_final_collection
+    from gridwright.basics.process_exit import exit_without_final_collection
 
     exit_without_final_collection(main())

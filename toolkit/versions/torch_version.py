@@ -28,7 +28,7 @@ PRIVATE_CALLS = (
     ("torch.storage._load_from_bytes", "checkpoints.te_extra_state: reads TE's pickled storages through weights-only"),
     ("torch.serialization._get_layout", "checkpoints.checkpoint_trust: a layout the weights-only reader admits"),
     ("torch.distributed._symmetric_memory", "megatron_internals.parallel_linear: registers torch.ops.symm_mem"),
-    ("torch.ops.mkldnn._is_mkldnn_fp16_supported", "planning.machine_probe: whether this CPU runs fp16 for DeepSpeed"),
+    ("torch.ops.mkldnn._is_mkldnn_fp16_supported", "runtime.machine_probe: whether this CPU runs fp16 for DeepSpeed"),
 )
 
 

@@ -11,7 +11,7 @@ def _conf_dir() -> Path:
     package data), else the repository's (`toolkit/../conf`, an editable install)."""
     if os.environ.get("GRIDWRIGHT_CONF"):
         return Path(os.environ["GRIDWRIGHT_CONF"])
-    package = Path(__file__).resolve().parent  # gridwright/ (toolkit/ in the repository)
+    package = Path(__file__).resolve().parents[1]  # gridwright/ (toolkit/ in the repository)
     return package / "conf" if (package / "conf" / "config.yaml").is_file() else package.parent / "conf"
 
 

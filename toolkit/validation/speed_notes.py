@@ -12,9 +12,9 @@ import copy
 
 from omegaconf import OmegaConf
 
-from ..engines.registry import rules
+from ..engine_rules.registry import rules
 from ..planning.layout import ParallelLayout
-from .validation import ConfigError, validate
+from .validate import ConfigError, validate
 
 
 def speed_notes(cfg) -> list[str]:

@@ -9,10 +9,10 @@ import os
 import re
 from omegaconf import OmegaConf
 from ..families.hf_config import fitting_family
-from ..engines.registry import is_known, rules
+from ..engine_rules.registry import is_known, rules
 from ..planning.layout import ParallelLayout
-from .schema import declared_choices
-from ..planning.machine_probe import probe
+from ..config.schema import declared_choices
+from ..runtime.machine_probe import probe
 from ..versions.megatron_version import refusal as megatron_core_refusal
 from ..versions.torch_version import refusal as torch_refusal
 
@@ -122,7 +122,7 @@ def check_paths(cfg) -> list[str]:
     """`name` becomes one directory under `job_root` (and the MLflow run's name): it must
     not leave it. Explicit paths are the user's to choose, but a NUL or newline fits in no
     file name an emitted script can quote. No run writes into a system directory."""
-    from ..path_rules import system_place
+    from ..basics.path_rules import system_place
 
     out = []
     if cfg.name is not None and not NAME_CHARS.fullmatch(str(cfg.name)):
@@ -146,7 +146,7 @@ def check_paths(cfg) -> list[str]:
 def check_tested_releases(launcher, for_launch: bool) -> list[str]:
     """The installed Megatron-Core and torch must be tested releases (a local launch runs on
     this machine; other launchers' workers check their own: at import of megatron_internals,
-    and torch's in runtime.worker)."""
+    and torch's in launchers.worker)."""
     if not (for_launch and launcher.name == "local"):
         return []
     return [problem for problem in (megatron_core_refusal(), torch_refusal()) if problem]
@@ -169,7 +169,7 @@ def check_checkpoint(cfg) -> list[str]:
     from pathlib import Path
 
     from ..checkpoints.checkpoint_dir import LATEST, root_problem, writer_problem
-    from ..path_rules import system_place
+    from ..basics.path_rules import system_place
 
     ck, out = cfg.checkpoint, []
     if ck.keep_last < 0:
@@ -192,7 +192,7 @@ def check_checkpoint(cfg) -> list[str]:
         if problem:
             out.append(problem)
     if ck.save and cfg.launcher.name == "local":
-        from ..atomic_io import unwritable_reason
+        from ..basics.atomic_io import unwritable_reason
         from ..planning.disk_space import space_problem
 
         problem = unwritable_reason(ck.save)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from ..engine_rules.registry import rules
 from ..planning.layout import ParallelLayout
 from ..planning.placement import plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan, predict_communication
@@ -67,7 +68,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
         placement = plan_placement(layout)
         problems += check_nvlink_domains(cfg.parallel, cfg.model, cfg.train, placement)
         try:
-            plan = derive_plan(cfg, layout, placement)
+            plan = derive_plan(cfg, layout, placement, rules(cfg.engine))
         except CommProfileProblem as e:
             problems.append(str(e))
     if plan is not None:
@@ -75,7 +76,7 @@ def validate(cfg, for_launch: bool = True) -> Plan:
         problems += check_host_memory(cfg, plan, for_launch)
     elif counts_ok and not layout_problems and os.path.isfile(cfg.cluster.comm_profile or ""):
         try:  # no plan for an invalid config, but a profile that cannot price it is one more fix to list
-            predict_communication(cfg, layout)
+            predict_communication(cfg, layout, rules(cfg.engine))
         except CommProfileProblem as e:
             problems.append(str(e))
     if problems:  # following the first Fix must leave a run that fits, not one more refusal

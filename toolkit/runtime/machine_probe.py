@@ -40,7 +40,7 @@ def cpu_fp16_supported() -> bool:
 
 
 def _facts_here(with_transformer_engine: bool) -> dict:
-    """What this process finds; run in the child (`python -m gridwright.planning.machine_probe`)."""
+    """What this process finds; run in the child (`python -m gridwright.runtime.machine_probe`)."""
     out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None, "cpu_fp16": False}
     try:
         import torch
@@ -88,7 +88,7 @@ def probe(transformer_engine: bool = False) -> MachineFacts:
     """Ask a child Python (this interpreter) what it finds; cached for this process.
     Transformer Engine is imported only when asked (FP8 runs): its import can be slow."""
     try:
-        done = subprocess.run([sys.executable, "-m", "gridwright.planning.machine_probe", "te" if transformer_engine else "-"],
+        done = subprocess.run([sys.executable, "-m", "gridwright.runtime.machine_probe", "te" if transformer_engine else "-"],
                               capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return MachineFacts(None, 0, False, f"importing torch took over {PROBE_TIMEOUT_S} s")
@@ -99,7 +99,7 @@ def probe(transformer_engine: bool = False) -> MachineFacts:
 
 
 if __name__ == "__main__":
-    from gridwright.process_exit import exit_without_final_collection
+    from gridwright.basics.process_exit import exit_without_final_collection
 
     print(json.dumps(_facts_here(sys.argv[1:] == ["te"])))
     exit_without_final_collection()

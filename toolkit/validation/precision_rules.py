@@ -4,9 +4,9 @@ torch-native speed keys.
 """
 from __future__ import annotations
 
-from ..engines.registry import is_known, rules
-from .fp8_choice import TORCHAO_FP8_RECIPES, fp8_backend, torch_native_asked, transformer_engine_layers
-from ..planning.machine_probe import probe
+from ..engine_rules.registry import is_known, rules
+from ..config.fp8_choice import TORCHAO_FP8_RECIPES, fp8_backend, torch_native_asked, transformer_engine_layers
+from ..runtime.machine_probe import probe
 from .fix_advice import override_words
 
 

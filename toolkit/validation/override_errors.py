@@ -24,8 +24,8 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from .compose import strip_hydra
-from .schema import RunConfig
+from ..config.compose import strip_hydra
+from ..config.schema import RunConfig
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -143,7 +143,7 @@ def no_option_message(group: str, name: str, options: list[str], runs_here=None)
 
 def _validates_with(config_name: str, point: list[str], group: str, option: str) -> bool:
     """Whether the command line, with `option` for `group`, composes and validates for a launch here."""
-    from .validation import ConfigError, validate
+    from .validate import ConfigError, validate
 
     swapped = [f"{o.split('=', 1)[0]}={option}" if o.lstrip("+~").split("=", 1)[0] == group else o for o in point]
     try:

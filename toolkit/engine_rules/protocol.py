@@ -17,7 +17,7 @@ An engine is a pair of modules:
     <name>_engine   `open_trainer(cfg, layout, job_dir)`: a context manager that sets up
                     process groups, yields a `Trainer`, and tears them down.
 
-`gridwright.engines.registry` is the one place that picks them by `engine.name`
+`gridwright.engine_rules.registry` is the one place that picks them by `engine.name`
 (`rules(cfg.engine)`).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One training process, started by torchrun: `python -m gridwright.runtime.worker --job-dir DIR`.
+"""One training process, started by torchrun: `python -m gridwright.launchers.worker --job-dir DIR`.
 
 Reads the job's composed config, checks that the process groups Megatron-Core builds
 are the placement that was printed, trains, and (on the one logging rank) writes each
@@ -22,21 +22,21 @@ import time
 import traceback
 from pathlib import Path
 
-from ..atomic_io import write_text_atomic
-from ..process_exit import exit_without_final_collection
+from ..basics.atomic_io import write_text_atomic
+from ..basics.process_exit import exit_without_final_collection
 from ..checkpoints.checkpoint_dir import BadPointer, hold_writer_lock, latest_checkpoint
 from ..checkpoints.checkpoint_trust import UntrustedCheckpointFile, guard_process
-from ..path_rules import PathRefused
-from .jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
+from ..basics.path_rules import PathRefused
+from ..runtime.jobdir import (FAILURE_FILE, METRICS_FILE, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR, SUMMARY_FILE, load_job_config, read_json,
                      read_metrics)
 from gridwright.launchers.failure_report import log_only
-from .metric_sinks import JsonlSink, MetricsSink, TerminalSink
-from .known_warnings import filter_known_warnings
+from ..runtime.metric_sinks import JsonlSink, MetricsSink, TerminalSink
+from ..basics.known_warnings import filter_known_warnings
 from ..planning.layout import ParallelLayout
 from ..planning.disk_space import DiskFull
-from .heartbeat import Heartbeat
-from .process_tree import TOKEN_ENV, die_with_parent, end_descendants, exit_at_once
-from .step_metrics import StepMetrics, read_memory_records
+from ..runtime.heartbeat import Heartbeat
+from ..runtime.process_tree import TOKEN_ENV, die_with_parent, end_descendants, exit_at_once
+from ..runtime.step_metrics import StepMetrics, read_memory_records
 
 EXIT_REFUSED = 2  # a worker refused its input (the agent then exits 2 too)
 # How gloo and NCCL report a collective whose peer process has ended.
@@ -274,8 +274,8 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
     """Validation's machine checks, repeated where the job runs: a Slurm or multi-node
     torchrun job's nodes are seen only by its workers. Without this, FP8 there would train
     in bf16 while MFU divided by the FP8 peak."""
-    from ..planning.machine_probe import transformer_engine_available
-    from ..config.validation import fp8_machine_problems, layer_spec_machine_problems
+    from ..runtime.machine_probe import transformer_engine_available
+    from ..validation.validate import fp8_machine_problems, layer_spec_machine_problems
     from ..versions.torch_version import refuse_untested
 
     refuse_untested()  # a Slurm or torchrun node's torch is seen only here
@@ -287,7 +287,7 @@ def refuse_what_this_machine_cannot_run(cfg) -> None:
 
 
 def train(job_dir: Path) -> int:
-    from .stop_request import StopRequest
+    from ..runtime.stop_request import StopRequest
 
     stop = StopRequest()
     cfg = load_job_config(job_dir)

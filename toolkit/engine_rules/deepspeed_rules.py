@@ -220,7 +220,7 @@ def _feature_problems(engine, precision, zero, layout, megatron_model: bool) -> 
 
 
 def _machine_problems(cluster, precision, megatron_model: bool) -> list[str]:
-    from ..planning.machine_probe import probe
+    from ..runtime.machine_probe import probe
     from ..versions import deepspeed_version, transformers_version
 
     fences = [deepspeed_version] + ([] if megatron_model else [transformers_version])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-ENGINES = ("megatron", "deepspeed")
+from ..config.schema import ENGINES
 
 
 def is_known(engine) -> bool:

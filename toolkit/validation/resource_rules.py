@@ -8,10 +8,11 @@ import itertools
 import math
 from omegaconf import OmegaConf
 
-from ..conf_dir import CONF_DIR
+from ..basics.conf_dir import CONF_DIR
 from ..data.packing import longest_document
+from ..engine_rules.registry import rules
 from ..planning.layout import ParallelLayout, max_seqlen_per_rank
-from ..planning.machine_probe import host_memory_bytes
+from ..runtime.machine_probe import host_memory_bytes
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
 from ..planning.placement import plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan
@@ -38,9 +39,9 @@ def check_host_memory(cfg, plan: Plan, for_launch: bool) -> list[str]:
     budget = HOST_MEMORY_SHARE * have
 
     def fits(tried, layout) -> bool:
-        return host_memory_estimate(tried, layout).total_gib * GIB * processes <= budget
+        return host_memory_estimate(tried, layout, rules(tried.engine)).total_gib * GIB * processes <= budget
 
-    per = host_memory_estimate(cfg, plan.layout, plan.params)
+    per = host_memory_estimate(cfg, plan.layout, rules(cfg.engine), plan.params)
     if per.total_gib * GIB * processes <= budget:
         return []
     found = _memory_fix(cfg, fits, more_nodes=False) or _tiny_model_fix(cfg)
@@ -152,7 +153,7 @@ def world_size_fix(cfg, layout: ParallelLayout) -> str | None:
             candidates.append((len(changed), cost, changed))
 
         def fits(tried, tried_layout) -> bool:
-            est = estimate_memory(tried, tried_layout)
+            est = estimate_memory(tried, tried_layout, rules(tried.engine))
             return est is None or cap <= 0 or est.total_gib <= cap
 
         for _, _, changed in sorted(candidates, key=lambda c: c[:2]):
@@ -174,12 +175,12 @@ def check_memory(cfg, plan: Plan) -> list[str]:
         return []
 
     def fits(tried, layout) -> bool:
-        return estimate_memory(tried, layout).total_gib <= cap
+        return estimate_memory(tried, layout, rules(tried.engine)).total_gib <= cap
 
     found = _memory_fix(cfg, fits, more_nodes=True)
     if found:
         with tried_with(cfg, found) as tried:
-            after = estimate_memory(tried, ParallelLayout.from_config(tried)).total_gib
+            after = estimate_memory(tried, ParallelLayout.from_config(tried), rules(tried.engine)).total_gib
         if "cluster.nodes" in found and cfg.launcher.name == "local":
             found["launcher"] = "torchrun"
         fix = f"Fix: {override_words(found)} (estimated {after:.1f} GiB per GPU)."
@@ -204,7 +205,7 @@ def fix_that_fits(cfg, problem: str) -> str:
         if layout.problems():
             return problem
         try:
-            memory = check_memory(tried, derive_plan(tried, layout, plan_placement(layout)))
+            memory = check_memory(tried, derive_plan(tried, layout, plan_placement(layout), rules(tried.engine)))
         except CommProfileProblem:  # the config the Fix leaves cannot be priced: its own refusal says why
             return problem
     more = fix_overrides(memory[0]) if memory else None

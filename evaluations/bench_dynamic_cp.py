@@ -41,7 +41,8 @@ def _simulate(name: str, ranks: int, args, queue) -> None:
     rows = ranks * args.tokens_per_rank // args.row
     lengths = [n for i in range(rows)
                for n in document_lengths(np.random.default_rng([args.seed, i]), lengths_cfg, args.row)]
-    cost = document_cost(compose_config(["model=bench_1b"]))
+    bench = compose_config(["model=bench_1b"])
+    cost = document_cost(bench.model, bench.evaluate)
     scheduler = make_scheduler(name, args.max_seqlen_per_rank, ranks, cost)
     started = time.perf_counter()
     plan = scheduler.schedule(lengths)

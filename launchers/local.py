@@ -29,15 +29,15 @@ from .environment import worker_env
 AGENT_STOPPED_BOUND_S = 15
 
 
-def agent_command(cfg, job_dir: Path, port: int) -> list[str]:
+def agent_command(cluster, launcher, job_dir: Path, port: int) -> list[str]:
     return [
         sys.executable, "-m", "gridwright.launchers.agent", "--job-dir", str(job_dir),
         "--nnodes=1",
-        f"--nproc_per_node={cfg.cluster.gpus_per_node}",
+        f"--nproc_per_node={cluster.gpus_per_node}",
         f"--rdzv-backend={LOOPBACK_BACKEND}",
         f"--rdzv-endpoint={LOOPBACK}:{port}",
         "--rdzv-conf=rank=0",
-        f"--max-restarts={cfg.launcher.max_restarts}",
+        f"--max-restarts={launcher.max_restarts}",
     ]
 
 
@@ -48,7 +48,7 @@ def run_local(cfg, job_dir: Path) -> tuple[int, int | None, str | None]:
     env = dict(os.environ)
     env.update(worker_env(cfg))
     env.update({TOKEN_ENV: token, LAUNCHER_PIPE_ENV: "1", **LOOPBACK_SOCKETS})
-    cmd = agent_command(cfg, job_dir, free_port())
+    cmd = agent_command(cfg.cluster, cfg.launcher, job_dir, free_port())
     print("+ " + " ".join(cmd), flush=True)
     # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which passes
     # it on once; a second signal to torchrun mid-shutdown would cut the workers' save.

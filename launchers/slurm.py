@@ -58,10 +58,10 @@ def output_file(job_dir: Path, name: str) -> str:
     return f"{text.replace('%', '%%')}/{name}"
 
 
-def gpu_directive(cfg) -> str | None:
+def gpu_directive(launcher, cluster) -> str | None:
     """How the job asks for GPUs: `auto` is --gpus-per-node on CUDA clusters and nothing on
     CPU ones; `gres` is the older --gres=gpu:N form; `none` leaves it to the partition."""
-    form, c = cfg.launcher.gpu_request, cfg.cluster
+    form, c = launcher.gpu_request, cluster
     if form == "auto":
         form = "gpus_per_node" if c.device == "cuda" else "none"
     return {"gpus_per_node": f"--gpus-per-node={c.gpus_per_node}", "gres": f"--gres=gpu:{c.gpus_per_node}",
@@ -74,7 +74,7 @@ def directives(cfg, job_dir: Path) -> list[str]:
     def opt(option: str, key: str, value) -> str:
         return f"--{option}={directive_value(key, value)}"
 
-    out = [opt("job-name", "name", cfg.name), f"--nodes={c.nodes}", "--ntasks-per-node=1", gpu_directive(cfg)]
+    out = [opt("job-name", "name", cfg.name), f"--nodes={c.nodes}", "--ntasks-per-node=1", gpu_directive(lcfg, c)]
     if lcfg.exclusive:
         out.append("--exclusive")
     out += [opt("time", "launcher.time_limit", lcfg.time_limit),

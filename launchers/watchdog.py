@@ -41,9 +41,8 @@ _POLL_S = 1.0
 _DUMP_WAIT_S = 3.0
 
 
-def bound_s(rec: dict, cfg) -> float:
-    """How long this rank may go without a heartbeat."""
-    w = cfg.watchdog
+def bound_s(rec: dict, w) -> float:
+    """How long this rank may go without a heartbeat, under the `watchdog` config `w`."""
     if rec.get("bound_s") is not None:  # the rank's own, for this phase (a save's: heartbeat.save_bound_s)
         return rec["bound_s"]
     if rec["phase"] == "training" and rec.get("recent_step_s") is not None:
@@ -66,12 +65,12 @@ def _status(rec: dict) -> str:
         return "gone"
 
 
-def late_ranks(beats: dict[int, dict], cfg, now: float) -> dict[int, float]:
+def late_ranks(beats: dict[int, dict], watchdog, now: float) -> dict[int, float]:
     """The live ranks whose heartbeat is older than their bound, with its age."""
-    return {r: now - rec["time"] for r, rec in beats.items() if now - rec["time"] > bound_s(rec, cfg)}
+    return {r: now - rec["time"] for r, rec in beats.items() if now - rec["time"] > bound_s(rec, watchdog)}
 
 
-def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int, dict], cfg) -> dict:
+def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int, dict], watchdog) -> dict:
     """Who is to blame. A rank blocked in a collective waits for the one that stopped, and
     both stopped advancing at the same step; the one that did not answer the stack dump
     (stopped, or stuck outside Python) is the suspect first, then the rank furthest
@@ -84,9 +83,9 @@ def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int,
     rec = beats[suspect]
     silent = max(late.get(suspect, 0.0), time.time() - rec["time"] - _DUMP_WAIT_S)
     return {"rank": suspect, "step": rec["step"], "phase": rec["phase"], "host": rec["host"],
-            "silent_s": round(silent, 1), "bound_s": round(bound_s(rec, cfg), 1),
-            "recent_step_s": rec.get("recent_step_s"), "factor": cfg.watchdog.stall_factor,
-            "min_stall_s": cfg.watchdog.min_stall_s, "ranks": {str(r): info for r, info in ranks.items()}}
+            "silent_s": round(silent, 1), "bound_s": round(bound_s(rec, watchdog), 1),
+            "recent_step_s": rec.get("recent_step_s"), "factor": watchdog.stall_factor,
+            "min_stall_s": watchdog.min_stall_s, "ranks": {str(r): info for r, info in ranks.items()}}
 
 
 def describe(finding: dict, ranks: dict[int, dict], job_dir: Path) -> list[str]:
@@ -163,7 +162,7 @@ class Watchdog:
         while not self._stop.wait(_POLL_S):
             try:
                 beats = self._mine()
-                late = late_ranks(beats, self.cfg, time.time())
+                late = late_ranks(beats, self.cfg.watchdog, time.time())
                 if late:
                     self._stop_for(beats, late)
                 if self.peers is not None:
@@ -186,7 +185,7 @@ class Watchdog:
 
     def _stop_for(self, beats: dict[int, dict], late: dict[int, float]) -> None:
         ranks = _dump_stacks(self.job_dir, beats)
-        finding = finding_for(beats, late, ranks, self.cfg) | {"token": self.token, "detected_at": time.time()}
+        finding = finding_for(beats, late, ranks, self.cfg.watchdog) | {"token": self.token, "detected_at": time.time()}
         write_text_atomic(self.job_dir / HANGS_DIR / f"{socket.gethostname()}-{self.token[:12]}.json",
                           json.dumps(finding, indent=1))
         self.finding = finding

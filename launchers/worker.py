@@ -135,7 +135,7 @@ class Reporter:
             summary["memory_estimate_gib"] = estimate["total_gib"]
             summary["memory_estimate_allocated_gib"] = estimate["total_gib"] - estimate["workspace_gib"]
         write_text_atomic(self.job_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
-        print("\n".join(summary_lines(summary, self.cfg)), flush=True)
+        print("\n".join(summary_lines(summary, self.cfg.cluster)), flush=True)
 
     def fail(self, error: str) -> None:
         """Leave why training failed where the agent, which closes the run, reads it."""
@@ -183,7 +183,7 @@ def resume_point(checkpoint, job_dir: Path) -> str | None:
         return ck.save
 
 
-def summary_lines(summary: dict, cfg) -> list[str]:
+def summary_lines(summary: dict, cluster) -> list[str]:
     """The end of a run on the terminal: what it learned, how fast, against which peak, how
     much memory. Every MFU names its definition; a run without a known peak says why."""
     averaged = summary["steps_averaged"]
@@ -198,9 +198,9 @@ def summary_lines(summary: dict, cfg) -> list[str]:
         palm = f", {summary['mfu_palm']:.1%} by palm" if definition != "palm" else ""
         lines.append(
             f"            MFU {summary['mfu']:.1%} ({definition} definition{palm}; HFU {summary['hfu']:.1%}) "
-            f"against {summary['peak_tflops']:g} TFLOP/s {summary['peak_kind']} ({cfg.cluster.gpu.name})")
+            f"against {summary['peak_tflops']:g} TFLOP/s {summary['peak_kind']} ({cluster.gpu.name})")
     else:
-        lines.append(f"            MFU none: the device ({cfg.cluster.device}, cluster {cfg.cluster.name}) has no "
+        lines.append(f"            MFU none: the device ({cluster.device}, cluster {cluster.name}) has no "
                      "known peak FLOP/s")
     kind = "allocated by the CUDA allocator" if "memory_reserved_peak_gib" in summary else "resident (RSS)"
     estimate = (f"; estimate {summary['memory_estimate_allocated_gib']:.1f} GiB without workspace"

@@ -149,7 +149,7 @@ def test_a_saves_bound_comes_from_its_size_and_the_measured_speed(compose):
     assert save_bound_s(110 * 10**9, 30.0, 120.0) == 150.0  # 5 x the previous save on this disk
     assert save_bound_s(10**6, 0.2, 120.0) == save_bound_s(10**6, None, 120.0) == 120.0  # the floor
     cfg = compose("checkpoint.save=/tmp/ck")
-    assert bound_s({"phase": "saving", "bound_s": 150.0}, cfg) == 150.0  # not phase_timeout_s's 1800
+    assert bound_s({"phase": "saving", "bound_s": 150.0}, cfg.watchdog) == 150.0  # not phase_timeout_s's 1800
     assert first_save_bound_s(cfg) == 120.0 and first_save_bound_s(compose()) == 0.0
 
 
@@ -163,10 +163,10 @@ def test_the_bound_follows_recent_step_times_and_phases(compose):
         1: {"phase": "training", "step": 40, "recent_step_s": 0.5, "time": now - 61, "host": "h"},  # bound 60 s
         2: {"phase": "saving", "step": 40, "recent_step_s": 0.5, "time": now - 900, "host": "h"},  # bound 1800 s
     }
-    assert [bound_s(beats[r], cfg) for r in (0, 1, 2)] == [200.0, 60.0, 1800.0]
-    late = late_ranks(beats, cfg, now)
+    assert [bound_s(beats[r], cfg.watchdog) for r in (0, 1, 2)] == [200.0, 60.0, 1800.0]
+    late = late_ranks(beats, cfg.watchdog, now)
     assert set(late) == {1}
     ranks = {r: {"dumped": True} for r in beats}
-    assert finding_for(beats, late, ranks, cfg)["rank"] == 1  # furthest behind among the silent
+    assert finding_for(beats, late, ranks, cfg.watchdog)["rank"] == 1  # furthest behind among the silent
     ranks[2]["dumped"] = False
-    assert finding_for(beats, late, ranks, cfg)["rank"] == 2  # the one that did not answer comes first
+    assert finding_for(beats, late, ranks, cfg.watchdog)["rank"] == 2  # the one that did not answer comes first

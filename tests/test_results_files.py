@@ -47,6 +47,32 @@ def test_the_results_readme_lists_exactly_the_files_present():
     assert listed == present, f"unlisted: {sorted(present - listed)}; listed but absent: {sorted(listed - present)}"
 
 
+# A number with a unit of speed, memory or share: a measurement (card names such as
+# "1 × H200" are not).
+MEASUREMENT = re.compile(r"\d(?:[\d,.]*\d)?\s?(?:%|×(?!\s?[A-Z])|tok/s|tokens/s|GiB|GB/s|TFLOP|ms\b|s/step|MFU)")
+
+
+def measurements(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if MEASUREMENT.search(line)]
+
+
+def test_the_readme_is_the_product_and_the_performance_page_one_table_per_card():
+    """The README says what gridwright is and how to run it, in at most 150 lines and with no
+    measured number; measurements live on docs/performance.md, kept to about a page."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, f"README.md has {len(readme.splitlines())} lines (at most 150)"
+    assert not measurements(readme), f"measurements in README.md: {measurements(readme)}"
+    assert "docs/performance.md" in readme
+    performance = (REPO / "docs" / "performance.md").read_text()
+    assert len(performance.splitlines()) <= 220, f"docs/performance.md: {len(performance.splitlines())} lines"
+
+
+def test_the_measurement_search_finds_one():
+    assert measurements("TE FP8 ran 1.32× bf16\n8B shape: 56.4 % MFU\n21,545 tok/s\non 1 × H200, 2 × H100")[:3] == [
+        "TE FP8 ran 1.32× bf16", "8B shape: 56.4 % MFU", "21,545 tok/s"]
+    assert not measurements("on 1 × H200 and 8 × H100; TP=2")
+
+
 def test_a_new_call_replaces_the_file_of_its_benchmark_and_card(tmp_path):
     first = write_markdown(tmp_path, "bench_plan", "cpu", "python -m x --a", "| old |")
     second = write_markdown(tmp_path, "bench_plan", "cpu", "python -m x --b", "| new |", title="Plan commands")

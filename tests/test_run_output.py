@@ -10,13 +10,13 @@ def test_gpu_summary_names_the_mfu_definition_and_the_peak(compose):
                "flops_definition": "megatron", "mfu": 0.363, "mfu_palm": 0.416, "hfu": 0.363,
                "peak_tflops": 989.0, "peak_kind": "bf16", "memory_peak_gib": 27.8, "memory_peak_rank": 0,
                "memory_reserved_peak_gib": 30.1, "memory_estimate_allocated_gib": 27.7}
-    text = "\n".join(summary_lines(summary, cfg))
+    text = "\n".join(summary_lines(summary, cfg.cluster))
     assert "summary     30 steps: loss 10.7800 -> 7.5000" in text
     assert "64,934 tokens/s/GPU, 1,010.0 ms/step, 358.9 TFLOP/s/GPU (mean of steps 1-29)" in text
     assert "MFU 36.3% (megatron definition, 41.6% by palm; HFU 36.3%) against 989 TFLOP/s bf16 (H100-SXM)" in text
     assert "peak memory 27.80 GiB allocated by the CUDA allocator, rank 0; estimate 27.7 GiB without workspace" in text
     summary.update(flops_definition="palm", mfu=0.416)
-    assert "MFU 41.6% (palm definition; HFU 36.3%)" in "\n".join(summary_lines(summary, cfg))
+    assert "MFU 41.6% (palm definition; HFU 36.3%)" in "\n".join(summary_lines(summary, cfg.cluster))
 
 
 def test_deepspeed_first_compile_is_announced(compose, tmp_path, monkeypatch):

@@ -188,7 +188,7 @@ def torch_native_paths(model, cfg) -> str:
 
 
 @contextlib.contextmanager
-def first_start(cfg):
+def first_start(cluster, zero):
     """Around building the trainer: DeepSpeed's C++ ops compile on first use (minutes, once
     per machine), so rank 0 announces that with an estimate and says how long it took;
     DeepSpeed's own "... built successfully" print, made by every rank at every start, is
@@ -196,7 +196,7 @@ def first_start(cfg):
     from ..deepspeed_internals.extensions import compile_estimate_s
     from ..basics.known_warnings import printed_lines_filtered
 
-    pending = extensions_to_build(cfg.cluster, cfg.zero)
+    pending = extensions_to_build(cluster, zero)
     announce = bool(pending) and os.environ.get("RANK", "0") == "0"
     if announce:
         busy = max(0.0, os.getloadavg()[0] - 1.0)  # runnable processes besides this one
@@ -244,7 +244,7 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
     workarounds as in its own engine); process groups are destroyed at the end."""
     cache = os.path.join(job_dir or ".", "data_cache")
     if not builds_megatron_model(cfg.engine, cfg.parallel):
-        with first_start(cfg):
+        with first_start(cfg.cluster, cfg.zero):
             trainer = DeepSpeedTrainer(cfg, layout, cache)
         yield trainer
         dist.destroy_process_group()
@@ -257,7 +257,7 @@ def open_trainer(cfg, layout: ParallelLayout, job_dir):
 
     apply_megatron_fixes()
     with cpu_compat() if cfg.cluster.device == "cpu" else contextlib.nullcontext():
-        with first_start(cfg):
+        with first_start(cfg.cluster, cfg.zero):
             trainer = DeepSpeedTensorParallelTrainer(cfg, layout, deepspeed_config(cfg, layout), cache)
         yield trainer
         ps.destroy_model_parallel()

@@ -38,20 +38,20 @@ from .cp_schedulers import aligned, flops_cost, make_scheduler
 from .torch_attention import thd_params
 
 
-def document_cost(cfg):
+def document_cost(model, evaluate):
     """A document's training FLOPs as the plan counts them (model_math, the run's FLOPs
     definition): the cost both schedulers' estimates and gridwright's scheduler use."""
     from ..planning.model_math import model_flops_per_token
 
-    definition = cfg.evaluate.flops_definition
-    dense = model_flops_per_token(cfg.model, 0, definition)
-    return flops_cost(dense, model_flops_per_token(cfg.model, 1, definition) - dense)
+    definition = evaluate.flops_definition
+    dense = model_flops_per_token(model, 0, definition)
+    return flops_cost(dense, model_flops_per_token(model, 1, definition) - dense)
 
 
 def scheduler_for(cfg, ranks: int):
     """The run's scheduler (parallel.cp_scheduler) over `ranks` DP ranks."""
     per_rank = max_seqlen_per_rank(cfg.parallel, cfg.train.seq_length)
-    return make_scheduler(cfg.parallel.cp_scheduler, per_rank, ranks, document_cost(cfg))
+    return make_scheduler(cfg.parallel.cp_scheduler, per_rank, ranks, document_cost(cfg.model, cfg.evaluate))
 
 
 class DynamicContextParallel:

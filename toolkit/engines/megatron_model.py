@@ -16,18 +16,18 @@ from . import torch_attention
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def fused_kernels(cfg) -> bool:
+def fused_kernels(engine, cluster) -> bool:
     """Whether Megatron-Core's own SwiGLU and cross-entropy fusions run (engine.fused_kernels;
     None: on CUDA only)."""
-    chosen = cfg.engine.fused_kernels
-    return cfg.cluster.device != "cpu" if chosen is None else bool(chosen)
+    chosen = engine.fused_kernels
+    return cluster.device != "cpu" if chosen is None else bool(chosen)
 
 
 def fused_cross_entropy(cfg) -> bool:
     """The fused cross-entropy only for bf16 weights: its backward returns the logits'
     gradient cast to bf16 (megatron/core/fusions/fused_cross_entropy.py), which in an fp32
     or fp16 run would round it silently (6.7e-4 relative in fp32, measured)."""
-    return fused_kernels(cfg) and cfg.precision.params_dtype == "bf16"
+    return fused_kernels(cfg.engine, cfg.cluster) and cfg.precision.params_dtype == "bf16"
 
 
 def gradient_accumulation_fusion(cfg) -> bool:
@@ -81,14 +81,14 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
         calculate_per_token_loss=bool(cfg.data.packing),
         # Megatron-Core's torch.compile'd fusions (engine.fused_kernels); the ones below them
         # need Apex or TE kernels, so the torch paths run instead.
-        bias_activation_fusion=fused_kernels(cfg),
+        bias_activation_fusion=fused_kernels(cfg.engine, cfg.cluster),
         cross_entropy_loss_fusion=fused_cross_entropy(cfg),
         cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         # Transformer Engine's fused rotary kernel, where its layers are built (the torch-native
         # spec has none: Megatron-Core's fallback needs Apex)
-        apply_rope_fusion=te_available and fused_kernels(cfg),
+        apply_rope_fusion=te_available and fused_kernels(cfg.engine, cfg.cluster),
         persist_layer_norm=False,
         # Apex's GEMM in Megatron-Core's own hook, supplied by torch (wgrad_accumulation)
         gradient_accumulation_fusion=gradient_accumulation_fusion(cfg),

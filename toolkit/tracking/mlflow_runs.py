@@ -141,15 +141,15 @@ def _number(x: float):
     return int(x) if float(x).is_integer() else round(x, 6)
 
 
-def derived_params(cfg, layout: ParallelLayout) -> dict[str, str]:
+def derived_params(train, layout: ParallelLayout) -> dict[str, str]:
     """Degrees and batch arithmetic that the config implies; those an invalid layout leaves
     undefined (a zero divisor) are left out."""
     out = {"derived.world_size": layout.world_size}
     if layout.model_parallel_size > 0:
         out["derived.dp"] = layout.dp
-        if layout.dp > 0 and cfg.train.micro_batch_size > 0:
+        if layout.dp > 0 and train.micro_batch_size > 0:
             out["derived.accumulation"] = _number(
-                cfg.train.global_batch_size / (cfg.train.micro_batch_size * layout.dp))
+                train.global_batch_size / (train.micro_batch_size * layout.dp))
     if layout.expert_model_parallel_size > 0:
         out["derived.expert_dp"] = layout.expert_dp
     return {k: str(v) for k, v in out.items()}
@@ -172,7 +172,7 @@ def plan_params(job_dir: Path | None) -> dict[str, str]:
 
 def job_params(cfg, layout: ParallelLayout, job_dir: Path | None = None) -> dict[str, str]:
     """The params of a job's run: the flattened config, derived degrees, and the plan."""
-    return {**flatten(cfg), **derived_params(cfg, layout), **plan_params(job_dir)}
+    return {**flatten(cfg), **derived_params(cfg.train, layout), **plan_params(job_dir)}
 
 
 def run_name(cfg, slug: str, suffix: str = "") -> str:

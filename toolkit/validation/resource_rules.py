@@ -44,7 +44,7 @@ def check_host_memory(cfg, plan: Plan, for_launch: bool) -> list[str]:
     per = host_memory_estimate(cfg, plan.layout, rules(cfg.engine), plan.params)
     if per.total_gib * GIB * processes <= budget:
         return []
-    found = _memory_fix(cfg, fits, more_nodes=False) or _tiny_model_fix(cfg)
+    found = _memory_fix(cfg, fits, more_nodes=False) or _tiny_model_fix(cfg.model, cfg.train)
     return [f"model {cfg.model.name} ({plan.params.total / 1e9:.3g} B parameters) needs about "
             f"{per.total_gib * processes:,.1f} GiB on {processes} CPU processes ({per.describe()} each), more than "
             f"{HOST_MEMORY_SHARE:.0%} of this machine's {have / GIB:,.1f} GiB. "
@@ -52,14 +52,14 @@ def check_host_memory(cfg, plan: Plan, for_launch: bool) -> list[str]:
             + ", or launcher=torchrun or slurm to emit the job for machines that hold it."]
 
 
-def _tiny_model_fix(cfg) -> dict | None:
+def _tiny_model_fix(model, train) -> dict | None:
     """The tiny model of the same kind (dense or MoE), with a sequence its positions allow."""
-    name = TINY_MODELS["moe" if cfg.model.num_experts else "dense"]
-    if cfg.model.name == name:
+    name = TINY_MODELS["moe" if model.num_experts else "dense"]
+    if model.name == name:
         return None
     tiny = OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml")
     found = {"model": name}
-    if cfg.train.seq_length > tiny.max_position_embeddings:
+    if train.seq_length > tiny.max_position_embeddings:
         found["train.seq_length"] = tiny.max_position_embeddings
     return found
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import launch
 from test_deepspeed_runs import deepspeed_run_from_hf, megatron_run_from_hf
 
-from gridwright.runtime.machine_probe import cpu_fp16_supported
+from gridwright.torch_internals.onednn import cpu_fp16_supported
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -2,6 +2,7 @@
 before anything starts (a local launch, a conversion) and by the workers of a job planned
 elsewhere, and every private torch call gridwright makes resolves on the installed torch."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,32 @@ from gridwright.versions.torch_version import (
 def test_every_private_call_resolves_on_the_installed_torch():
     assert len(PRIVATE_CALLS) >= 8
     assert unresolved_private_calls() == []
+
+
+def private_name(path: str) -> str:
+    """The private part of a path: its last component with a leading underscore."""
+    return [part for part in path.split(".") if part.startswith("_")][-1]
+
+
+def private_torch_uses(text: str) -> set[str]:
+    """The private torch paths of PRIVATE_CALLS that a module's code names."""
+    return {path for path, _ in PRIVATE_CALLS if re.search(rf"\b{private_name(path)}\b", text)}
+
+
+def test_each_private_call_is_made_where_the_fence_says():
+    """The fence names the module of each private call: that module names it, and no module
+    outside the upstream doors makes one the fence does not list there."""
+    code = REPO / "toolkit"
+    where = {path: why.split(":", 1)[0] for path, why in PRIVATE_CALLS}
+    for path, module in where.items():
+        text = (code / (module.replace(".", "/") + ".py")).read_text()
+        assert private_name(path) in text, f"{module} does not call {path}, which the fence says it does"
+    for file in code.rglob("*.py"):
+        module = str(file.relative_to(code).with_suffix("")).replace("/", ".")
+        if module.startswith(("versions.", "megatron_internals.", "deepspeed_internals.")):
+            continue
+        unlisted = {p for p in private_torch_uses(file.read_text()) if where[p] != module}
+        assert not unlisted, f"{module} calls {sorted(unlisted)}, which the fence lists elsewhere"
 
 
 def test_a_private_call_that_is_gone_is_named(monkeypatch):

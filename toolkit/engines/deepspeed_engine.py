@@ -177,7 +177,7 @@ def torch_native_paths(model, cfg) -> str:
                                    module_filter_fn=lambda mod, fqn: output_too or fqn != "lm_head")
         added += f"+fp8_{recipe}" + ("+fp8_output_layer" if output_too else "")
     if cfg.engine.compile_layers:
-        from .megatron_model import raise_recompile_limit
+        from ..torch_internals.dynamo import raise_recompile_limit
 
         layers = model.model.layers
         raise_recompile_limit(len(layers))

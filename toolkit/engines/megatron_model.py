@@ -11,6 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
 from ..config.fp8_choice import fp8_backend
+from ..torch_internals.dynamo import raise_recompile_limit
 from . import torch_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -298,23 +299,6 @@ def compile_layers(chunks) -> None:
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile()
-
-
-def raise_recompile_limit(layers: int) -> None:
-    """Room for a graph per layer (and per layer's backward) before dynamo gives up and
-    runs layers eagerly without a word (its default limit is 8)."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * layers + 8))
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile produced in this process (the summary's proof that compiling ran)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def layer_spec(model, tcfg, te_available: bool, vp_stage=None):

@@ -37,7 +37,7 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
             _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
         facts = {"attention": attention.facts(), **trainer.run_facts()}
     if cfg.engine.compile_layers:
-        from .megatron_model import compiled_graphs
+        from ..torch_internals.dynamo import compiled_graphs
 
         facts["compiled_graphs"] = compiled_graphs()
     return facts

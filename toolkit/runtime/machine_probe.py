@@ -28,22 +28,13 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def cpu_fp16_supported() -> bool:
-    """Whether oneDNN runs fp16 on this CPU (AVX512-FP16 or AMX-FP16): DeepSpeed's CPU
-    accelerator asks the same question and refuses fp16 without it."""
-    import torch
-
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except Exception:  # noqa: BLE001 - an older torch without the query: DeepSpeed says no too
-        return False
-
-
 def _facts_here(with_transformer_engine: bool) -> dict:
     """What this process finds; run in the child (`python -m gridwright.runtime.machine_probe`)."""
     out = {"torch": None, "cuda_devices": 0, "transformer_engine": False, "error": None, "cpu_fp16": False}
     try:
         import torch
+
+        from ..torch_internals.onednn import cpu_fp16_supported
 
         out["torch"] = torch.__version__
         out["cuda_devices"] = torch.cuda.device_count()

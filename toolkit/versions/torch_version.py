@@ -21,14 +21,14 @@ OVERRIDE = "GRIDWRIGHT_UNTESTED_TORCH"  # =1: try another version anyway, loudly
 
 # The private torch attributes gridwright calls: (dotted path, the module that calls it: why).
 PRIVATE_CALLS = (
-    ("torch._scaled_mm", "runtime.float8_gemm: the float8 GEMM where cuBLASLt cannot add in place"),
-    ("torch._dynamo.config", "engines.megatron_model: the recompile limit for compiled layers"),
-    ("torch._dynamo.utils.counters", "engines.megatron_model: how many graphs compiled, for the summary"),
+    ("torch._scaled_mm", "torch_internals.float8_gemm: the float8 GEMM where cuBLASLt cannot add in place"),
+    ("torch._dynamo.config", "torch_internals.dynamo: the recompile limit for compiled layers"),
+    ("torch._dynamo.utils.counters", "torch_internals.dynamo: how many graphs compiled, for the summary"),
     ("torch._utils._rebuild_tensor_v2", "checkpoints.te_extra_state: rebuilds TE's pickled tensors, admitted by name"),
     ("torch.storage._load_from_bytes", "checkpoints.te_extra_state: reads TE's pickled storages through weights-only"),
     ("torch.serialization._get_layout", "checkpoints.checkpoint_trust: a layout the weights-only reader admits"),
     ("torch.distributed._symmetric_memory", "megatron_internals.parallel_linear: registers torch.ops.symm_mem"),
-    ("torch.ops.mkldnn._is_mkldnn_fp16_supported", "runtime.machine_probe: whether this CPU runs fp16 for DeepSpeed"),
+    ("torch.ops.mkldnn._is_mkldnn_fp16_supported", "torch_internals.onednn: whether this CPU runs fp16 for DeepSpeed"),
 )
 
 

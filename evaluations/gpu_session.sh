@@ -8,7 +8,9 @@
 #   setsid nohup bash evaluations/gpu_session.sh COMMIT [all|tier|core|bench] >/dev/null 2>&1 </dev/null &
 # all: the tier's core tests (TE resume, conversion, TE and cuBLASLt GEMMs), the rest of the
 # tier, then `bench_gpu --suite te`; tier: the tier only; core: its core tests only; bench:
-# the suite only. Needs .whl/ and .te/ carried (docs/development.md, "Transformer Engine").
+# the suite only; core_bench: the core tests, then the suite (for a session short of device
+# time). CASES="a b" runs only those cases of the suite. Needs .whl/ and .te/ carried
+# (docs/development.md, "Transformer Engine").
 R=/tmp/gwres; W=/tmp/gw; MODE=${2:-all}
 mkdir -p $R
 exec > $R/session.log 2>&1
@@ -20,17 +22,19 @@ export GRIDWRIGHT_COMMIT=${1:?commit}
 bash .te/install_te.sh .te /tmp/tesite && export PYTHONPATH=/tmp/tesite:$PYTHONPATH
 python -m pip install -q --no-deps .whl/*.whl && python -m pip install -q --no-deps --no-build-isolation -e .
 if [ "$MODE" != bench ]; then
-    budget=420; [ "$MODE" = core ] && budget=240
+    budget=420; [ "$MODE" != all ] && [ "$MODE" != tier ] && budget=240
     timeout $((budget + 30)) python -m gridwright.evaluations.gpu_tier --out $R --budget $budget --test-timeout 200 \
         -- -k "resumes_exactly or converts or computes_in_fp8 or cublaslt" > $R/gpu_tier_core.log 2>&1
     echo "core done: rc=$?"; date
     [ "$MODE" = core ] && exit 0
     cp $R/gpu_tier_1x*.json $R/core.json
+fi
+if [ "$MODE" = all ] || [ "$MODE" = tier ]; then
     timeout 700 python -m gridwright.evaluations.gpu_tier --out $R --budget 660 --test-timeout 200 \
         --resume $R/core.json > $R/gpu_tier_rest.log 2>&1
     echo "tier done: rc=$?"; date
     [ "$MODE" = tier ] && exit 0
 fi
 timeout 1500 python -m gridwright.evaluations.bench_gpu --suite te --out $R --jobs /tmp/jb --case-timeout 160 \
-    > $R/bench.log 2>&1
+    ${CASES:+--only $CASES} > $R/bench.log 2>&1
 echo "bench done: rc=$?"; date

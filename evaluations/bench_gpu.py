@@ -72,6 +72,8 @@ UNFUSED = ["engine.fused_kernels=false"] + FOREACH_ADAM + UNFUSED_WGRAD
 LLAMA_16L_TP2 = LLAMA3_8B + ["parallel.tp=2", "parallel.sp=true", "model.num_layers=16", "train.recompute=selective"]
 TP2_SP = BENCH_2GPU + ["parallel.tp=2", "parallel.sp=true"]
 # FP8 against bf16 over 200 steps is evaluations/fp8_loss_check.py (one GPU each, side by side).
+# The float8 output layer is `auto` (on for one-GPU FP8 on CUDA): a case without it says so.
+NO_FP8_OUTPUT = ["precision.fp8_output_layer=false"]
 PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_base": (1, BENCH_1GPU + UNFUSED),
     "bench_1b_1gpu_eager": (1, BENCH_1GPU),  # uncompiled, with Megatron-Core's fused SwiGLU and cross-entropy
@@ -81,9 +83,9 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "bench_1b_1gpu_mb4_foreach_adam": (1, BENCH_1GPU + FAST + MB4 + FOREACH_ADAM),
     "bench_1b_1gpu_mb8": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=8"]),
     "bench_1b_1gpu_mb8_unfused_wgrad": (1, BENCH_1GPU + FAST + ["train.micro_batch_size=8"] + UNFUSED_WGRAD),
-    "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"]),
-    "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"]),
-    "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4),
+    "bench_1b_1gpu_fp8_tensorwise": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + NO_FP8_OUTPUT),
+    "bench_1b_1gpu_fp8_rowwise": (1, BENCH_1GPU + FAST + ["precision=fp8_rowwise"] + NO_FP8_OUTPUT),
+    "bench_1b_1gpu_fp8_tensorwise_mb4": (1, BENCH_1GPU + FAST + ["precision=fp8_tensorwise"] + MB4 + NO_FP8_OUTPUT),
     "bench_1b_tp2_sp_base": (2, TP2_SP + UNFUSED),
     "bench_1b_tp2_sp_base_mb4": (2, TP2_SP + MB4 + UNFUSED),
     "bench_1b_tp2_sp": (2, TP2_SP + TP_FAST),
@@ -119,11 +121,12 @@ PERFORMANCE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     # FP8 where GEMMs dominate: the Llama-3-8B shape (8 layers fit one GPU's optimizer state),
     # compiled, bf16 against torchao's tensorwise FP8.
     "llama3_8b_8l_1gpu": (1, LLAMA3_8B_1GPU + FAST),
-    "llama3_8b_8l_1gpu_fp8_tensorwise": (1, LLAMA3_8B_1GPU + FAST + ["precision=fp8_tensorwise"]),
+    "llama3_8b_8l_1gpu_fp8_tensorwise": (1, LLAMA3_8B_1GPU + FAST + ["precision=fp8_tensorwise"] + NO_FP8_OUTPUT),
     # Half the 8B's layers on one GPU (the output layer, kept in bf16, is then 13 % of the
     # matmul FLOPs rather than 23 % at 8 layers) at micro-batch 2: bigger float8 GEMMs.
     "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
-    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]),
+    "llama3_8b_16l_1gpu_mb2_fp8_tensorwise": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + ["precision=fp8_tensorwise"]
+                                              + NO_FP8_OUTPUT),
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
         "precision=fp8_tensorwise", "engine.layer_spec=torch_native", "precision.fp8_output_layer=true"]),
     # bf16 with each weight gradient added into the fp32 buffer by a kernel of its own
@@ -258,11 +261,11 @@ TE_FP8_BEST = TE_DELAYED + FP8_OUTPUT
 TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
     "llama3_8b_16l_1gpu_mb2": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST),
     "llama3_8b_16l_1gpu_mb2_te": (1, LLAMA3_8B_16L_1GPU_MB2 + TE),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + NO_FP8_OUTPUT),
     # the output layer (outside TE's layers) through torchao's tensorwise float8 matmul
     "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_output": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_FP8_BEST),
     # Megatron-Core's CUDA graphs (per layer) on TE's layers
-    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_DELAYED + GRAPHS + NO_FP8_OUTPUT),
     "varlen1_te": (1, VARLEN_1GPU + TE),
     "varlen1_torch_native": (1, VARLEN_1GPU + ["engine.layer_spec=torch_native"]),
     "bench_1b_1gpu": (1, BENCH_1GPU + FAST),
@@ -273,9 +276,9 @@ TE_SUITE = {name: (gpus, overrides + TRACED) for name, (gpus, overrides) in {
        for mb, recompute in ((1, "none"), (2, "selective"), (4, "full"), (8, "full"))},
     "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output": (1, LLAMA3_8B_16L_1GPU_MB2 + FAST + [
         "precision=fp8_tensorwise", "engine.layer_spec=torch_native", "precision.fp8_output_layer=true"]),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT),
-    "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE),
-    "bench_1b_1gpu_te_fp8_delayed": (1, BENCH_1GPU + TE_DELAYED),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_current": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_CURRENT + NO_FP8_OUTPUT),
+    "llama3_8b_16l_1gpu_mb2_te_fp8_blockwise": (1, LLAMA3_8B_16L_1GPU_MB2 + TE_BLOCKWISE + NO_FP8_OUTPUT),
+    "bench_1b_1gpu_te_fp8_delayed": (1, BENCH_1GPU + TE_DELAYED + NO_FP8_OUTPUT),
 }.items()}
 
 SUITES = {"performance": PERFORMANCE, "engines": ENGINES, "zero_speed": {**ZERO_SPEED}, "varlen": VARLEN,

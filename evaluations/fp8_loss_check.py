@@ -6,7 +6,8 @@
 
 Runs the bench model once per precision, one GPU each at once (GPU 0 bf16, GPU 1 the first
 FP8 recipe, and so on), in waves when there are more precisions than GPUs; a recipe written
-`tensorwise+output` also puts the output layer in float8 (precision.fp8_output_layer).
+`tensorwise+output` also puts the output layer in float8 (precision.fp8_output_layer; a recipe
+without `+output` sets it false, whatever `auto` would choose).
 `--runs-per-gpu K` runs K at once on each GPU: the losses are the same, the speeds then
 are not comparable and the table leaves them out. `--seeds` runs every precision once per
 seed (train.seed sets the weights and the data order): FP8 against bf16 then rests on a mean
@@ -147,7 +148,7 @@ def run_wave(runs: list[tuple[str, int]], args, card: str, jobs: Path) -> dict:
                f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}", "train.warmup_steps=20", f"train.seed={seed}",
                *spec_overrides(args.layer_spec), f"cluster.gpu.name={card.replace(' ', '_')}",
                f"job_dir={job}", *shape_and_data(args),
-               *(["precision.fp8_output_layer=true"] if output == "output" else [])]
+               f"precision.fp8_output_layer={str(output == 'output').lower()}"]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(slot % torch.cuda.device_count())}
         print("+", " ".join(cmd), flush=True)
         procs[(precision, seed)] = job, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,

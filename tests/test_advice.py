@@ -390,8 +390,10 @@ SPEED_NOTES = {
     "tp4_sp_not_measured": (GPU8_BENCH + ["parallel.tp=4", "parallel.sp=true"], None),
     "tp_sp_with_pp_not_measured": (GPU8_BENCH + ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2"], None),
     "fp8_tensorwise_at_tp2_not_measured": (GPU8_BENCH + ["parallel.tp=2", "precision=fp8_tensorwise"], None),
-    # torchao's tensorwise FP8 (auto picks it: Transformer Engine is not installed here)
-    "fp8_tensorwise": (GPU2 + ["precision=fp8_tensorwise"], "precision.fp8_output_layer=true"),
+    # torchao's tensorwise FP8 (auto picks it: Transformer Engine is not installed here): its
+    # float8 output layer, measured faster, is the default (precision.fp8_output_layer=auto)
+    "fp8_tensorwise": (GPU2 + ["precision=fp8_tensorwise"], None),
+    "fp8_tensorwise_output_off": (GPU2 + ["precision=fp8_tensorwise", "precision.fp8_output_layer=false"], None),
     "fp8_output_chosen": (GPU2 + ["precision=fp8_tensorwise", "precision.fp8_output_layer=true"], None),
     "fp8_rowwise": (GPU2 + ["precision=fp8_rowwise"], None),
     "fp8_te_told": (GPU2 + ["precision=fp8_tensorwise", "precision.fp8_backend=transformer_engine"], None),
@@ -419,27 +421,6 @@ def test_the_plan_prints_the_speed_note(run_launch):
     result = run_launch(*GPU2, "parallel.cp=2", "launcher=plan")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "note        measured faster for this layout: parallel.cp_comm_type=a2a." in result.stdout
-
-
-def test_te_delayed_scaling_is_told_of_the_float8_output_layer_where_te_is_installed(monkeypatch):
-    """The plan does not import TE (seconds): where it is installed, delayed scaling plans
-    TE's FP8, and the note measured for it names the float8 output layer; following it validates."""
-    import importlib.util
-
-    from gridwright.validation.speed_notes import speed_notes
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
-    overrides = GPU2 + ["precision=fp8_delayed"]
-    notes = speed_notes(compose_config(overrides))
-    assert len(notes) == 1 and "measured faster for this layout: precision.fp8_output_layer=true. " in notes[0], notes
-    assert "bench_gpu_te_1xh200.md" in notes[0]
-    followed = compose_config(overrides + ["precision.fp8_output_layer=true"])
-    validate(followed, for_launch=False)
-    assert speed_notes(followed) == []
-    monkeypatch.setattr(importlib.util, "find_spec", real)
-    assert speed_notes(compose_config(overrides)) == []  # without TE delayed scaling is refused, no note
 
 
 def test_the_model_divisions_are_reported_beside_the_world_size_and_share_its_fix():

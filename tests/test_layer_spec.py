@@ -89,10 +89,15 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
         choose_torch_native_paths(cfg, tcfg, te_available=True)
         assert tcfg.gridwright_float8_output_layer and tcfg.gridwright_float8_name == "float8_tensorwise(torchao)"
         assert tcfg.gridwright_float8[0].cast_config_weight.scaling_granularity.name == "TENSORWISE"
-    off = compose(*GPU, "precision=fp8_delayed")
+    off = compose(*GPU, "precision=fp8_delayed", "precision.fp8_output_layer=false")
     tcfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
     choose_torch_native_paths(off, tcfg, te_available=True)
     assert tcfg.gridwright_float8 is None and not tcfg.gridwright_float8_output_layer
+    # left to auto: on for delayed scaling on one GPU per replica (measured faster), off under TP
+    for overrides, on in (([], True), (["parallel.tp=2"], False), (["precision=fp8_blockwise"], False)):
+        tcfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+        choose_torch_native_paths(compose(*GPU, "precision=fp8_delayed", *overrides), tcfg, te_available=True)
+        assert tcfg.gridwright_float8_output_layer == on, overrides
 
 
 @pytest.mark.parametrize("overrides, on_cuda, te_installed, words", [
@@ -102,10 +107,22 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
      "transformer_engine (engine.layer_spec=auto, Transformer Engine installed here); FP8 delayed by "
      "transformer_engine, output layer by torchao (tensorwise)"),
     (["precision=fp8_tensorwise", "engine.compile_layers=true"], True, True,
-     "torch_native (engine.compile_layers=true asks for it); FP8 tensorwise by torchao"),
+     "torch_native (engine.compile_layers=true asks for it); FP8 tensorwise by torchao, output layer too "
+     "(precision.fp8_output_layer=auto: measured faster on one GPU per model replica)"),
     (["precision=fp8_tensorwise"], True, True,
      "torch_native (engine.layer_spec=auto: at hidden size 2048 torchao's FP8 was measured faster than Transformer "
+     "Engine's, which was measured faster from 4096); FP8 tensorwise by torchao, output layer too "
+     "(precision.fp8_output_layer=auto: measured faster on one GPU per model replica)"),
+    (["precision=fp8_tensorwise", "precision.fp8_output_layer=false"], True, True,
+     "torch_native (engine.layer_spec=auto: at hidden size 2048 torchao's FP8 was measured faster than Transformer "
      "Engine's, which was measured faster from 4096); FP8 tensorwise by torchao"),
+    (["precision=fp8_delayed"], True, True,
+     "transformer_engine (engine.layer_spec=auto, Transformer Engine installed here); FP8 delayed by "
+     "transformer_engine, output layer by torchao (tensorwise) (precision.fp8_output_layer=auto: measured faster "
+     "on one GPU per model replica)"),
+    (["precision=fp8_delayed", "parallel.tp=2"], True, True,  # with model parallelism it was not measured
+     "transformer_engine (engine.layer_spec=auto, Transformer Engine installed here); FP8 delayed by "
+     "transformer_engine"),
     (["precision=fp8_tensorwise", "model=llama3_8b"], True, True,
      "transformer_engine (engine.layer_spec=auto, Transformer Engine installed here); FP8 tensorwise by "
      "transformer_engine"),
@@ -114,13 +131,14 @@ def test_the_float8_output_layer_runs_beside_te_fp8_as_torchao_tensorwise(compos
      "Transformer Engine's layers (refused where they are not built)"),
     (["engine.layer_spec=transformer_engine", "precision=fp8_delayed"], True, False,
      "transformer_engine (engine.layer_spec=transformer_engine; not installed on this host: each worker checks "
-     "its node); FP8 delayed by transformer_engine"),
+     "its node); FP8 delayed by transformer_engine, output layer by torchao (tensorwise) "
+     "(precision.fp8_output_layer=auto: measured faster on one GPU per model replica)"),
 ])
 def test_the_plan_names_whose_layers_and_fp8_a_run_gets(compose, overrides, on_cuda, te_installed, words):
     from gridwright.config.fp8_choice import planned_layers
 
     cfg = compose(*GPU, *overrides)
-    assert planned_layers(cfg.engine, cfg.precision, cfg.model, on_cuda, te_installed) == words
+    assert planned_layers(cfg.engine, cfg.precision, cfg.model, cfg.parallel, on_cuda, te_installed) == words
 
 
 def test_the_printed_plan_has_its_layers_line(run_launch):

@@ -68,7 +68,7 @@ def _layers_line(cfg) -> str | None:
     if not rules(cfg.engine).builds_megatron_layer_spec(cfg.engine, cfg.parallel):
         return None
     te_installed = importlib.util.find_spec("transformer_engine") is not None
-    return planned_layers(cfg.engine, cfg.precision, cfg.model, cfg.cluster.device == "cuda", te_installed)
+    return planned_layers(cfg.engine, cfg.precision, cfg.model, cfg.parallel, cfg.cluster.device == "cuda", te_installed)
 
 
 def check_not_running(job_dir) -> None:

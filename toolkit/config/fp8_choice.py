@@ -11,6 +11,16 @@ TORCHAO_FP8_RECIPES = ("tensorwise", "rowwise")  # gridwright.megatron_internals
 # two shapes nothing was measured; TE's side begins at the shape where it was measured faster.
 TE_FP8_MEASURED_FASTER_FROM_HIDDEN = 4096
 
+# The float8 output layer (torchao's tensorwise matmul) was measured faster, and closer to
+# bf16's loss, with these backends and recipes, on layouts of one GPU per model replica
+# (TP = PP = CP = EP = 1), 1 x H200: under torchao tensorwise the Llama-3-8B shape (16
+# layers) ran 1.29x bf16 with it against 1.24x without, and over four seeds of 300 steps on
+# real text its final loss was 0.90 % above bf16 against 3.31 % without (docs/performance.md
+# at commit 8871d16); under Transformer Engine's delayed scaling 1.46x against 1.39x in one
+# call (evaluations/results/bench_gpu_te_1xh200.md). With model parallelism it was not
+# measured, so `auto` leaves it off there.
+OUTPUT_LAYER_MEASURED_FASTER = (("torchao", "tensorwise"), ("transformer_engine", "delayed"))
+
 
 def torch_native_asked(engine, precision) -> list[str]:
     """The keys set that only the torch-native spec runs (gridwright's compiled layers,
@@ -55,7 +65,22 @@ def fp8_backend(precision, te_available: bool):
     return precision.fp8_backend
 
 
-def planned_layers(engine, precision, model, on_cuda: bool, te_installed: bool) -> str:
+def output_layer_in_fp8(precision, backend, parallel, model, on_cuda: bool) -> bool:
+    """Whether the output layer runs in float8 (Megatron-Core's layer spec): as asked, or
+    under `auto` (null) where it was measured faster (OUTPUT_LAYER_MEASURED_FASTER: the
+    backend and recipe, one GPU per model replica, CUDA) and its vocabulary is a multiple of
+    16, which float8 GEMMs need, and torchao is installed (it runs the output layer under
+    either backend; asked for by name without it, validation refuses)."""
+    import importlib.util
+
+    if precision.fp8_output_layer is not None:
+        return bool(precision.fp8_output_layer)
+    one_gpu = all(int(getattr(parallel, k) or 1) == 1 for k in ("tp", "pp", "cp", "ep"))
+    return (on_cuda and one_gpu and (backend, precision.fp8_recipe) in OUTPUT_LAYER_MEASURED_FASTER
+            and model.vocab_size % 16 == 0 and importlib.util.find_spec("torchao") is not None)
+
+
+def planned_layers(engine, precision, model, parallel, on_cuda: bool, te_installed: bool) -> str:
     """The plan's words for whose layers and FP8 a Megatron-Core layer spec run gets. A plan
     does not import Transformer Engine (seconds): it takes TE as importable where it is
     installed, and every worker checks its own node before it builds anything."""
@@ -84,6 +109,8 @@ def planned_layers(engine, precision, model, on_cuda: bool, te_installed: bool) 
         words += f"; FP8 {precision.fp8_recipe} needs Transformer Engine's layers (refused where they are not built)"
     elif backend:
         words += f"; FP8 {precision.fp8_recipe} by {backend}"
-        if precision.fp8_output_layer:
+        if output_layer_in_fp8(precision, backend, parallel, model, on_cuda):
             words += ", output layer by torchao (tensorwise)" if backend == "transformer_engine" else ", output layer too"
+            if precision.fp8_output_layer is None:
+                words += " (precision.fp8_output_layer=auto: measured faster on one GPU per model replica)"
     return words

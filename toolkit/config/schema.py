@@ -243,9 +243,11 @@ class PrecisionConfig:
     # imports, else torchao for its recipes).
     fp8_backend: str = choice("auto", Fp8Backend)
     # torchao's FP8 also for the output (logit) layer, the largest matmul of a small model.
-    # Off by default, as in Transformer Engine and TorchTitan: the logits are the most
-    # sensitive to float8 rounding (evaluations/fp8_loss_check measures the loss).
-    fp8_output_layer: bool = False
+    # null (auto): on where it was measured faster and closer to bf16's loss, on the Megatron
+    # engine on CUDA (gridwright.config.fp8_choice.output_layer_in_fp8 says where); off
+    # elsewhere, as in Transformer Engine and TorchTitan (the logits are the most sensitive to
+    # float8 rounding; evaluations/fp8_loss_check measures the loss).
+    fp8_output_layer: Optional[bool] = None
 
 
 @dataclass

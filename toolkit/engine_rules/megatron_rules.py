@@ -2,7 +2,6 @@
 Torch-free (validation and planning import it); see `protocol`."""
 from __future__ import annotations
 
-from ..config.fp8_choice import fp8_backend, transformer_engine_layers
 from .protocol import Capabilities, Recipe, StateSharding
 from .zero_settings import explicit_deepspeed_only_keys
 
@@ -22,20 +21,6 @@ CP_RECIPE = Recipe(
     "CP=2 of the bench model ran 36.9 % MFU by all-to-all against 33.3 % by all-gather in one call "
     "(2 x H200, bench_gpu_2xh200_20261128-2016.md, evaluations/results at commit 8871d16)",
     (("tp", 1), ("pp", 1), ("cp", 2), ("ep", 1)))
-ONE_GPU = (("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1))
-# Measured on 1 x H200 (docs/performance.md, "FP8's loss on real text").
-FP8_OUTPUT_RECIPE = Recipe(
-    (("precision.fp8_output_layer", True),),
-    "the Llama-3-8B shape (16 layers) ran 1.29x bf16 with it against 1.24x without (1 x H200, "
-    "bench_gpu_1xh200_20261129-0023.md, evaluations/results at commit 8871d16), and over four seeds of 300 steps on real text "
-    "its final loss was 0.90 % above bf16 on average against 3.31 % without (docs/performance.md at commit "
-    "8871d16)", ONE_GPU)
-
-TE_FP8_OUTPUT_RECIPE = Recipe(
-    (("precision.fp8_output_layer", True),),
-    "under Transformer Engine's delayed scaling the Llama-3-8B shape (16 layers) ran 1.46x the compiled "
-    "torch-native bf16 with it against 1.39x without, in one call (1 x H200, "
-    "evaluations/results/bench_gpu_te_1xh200.md); its loss under TE was not measured", ONE_GPU)
 
 
 def measured_recipes(cfg, layout) -> list[Recipe]:
@@ -48,22 +33,7 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
         out.append(TP_SP_RECIPE)
     if layout.cp > 1 and cfg.parallel.cp_mode == "static":
         out.append(CP_RECIPE)
-    backend = _fp8_backend_planned(cfg.engine, cfg.precision, cfg.model) if cfg.precision.fp8_recipe else None
-    if cfg.precision.fp8_recipe == "tensorwise" and backend == "torchao":
-        out.append(FP8_OUTPUT_RECIPE)
-    elif cfg.precision.fp8_recipe == "delayed" and backend == "transformer_engine":
-        out.append(TE_FP8_OUTPUT_RECIPE)
     return [recipe for recipe in out if recipe.measured_for(layout)]
-
-
-def _fp8_backend_planned(engine, precision, model) -> str | None:
-    """Whose FP8 the run will get, taking Transformer Engine as available where it is
-    installed: a plan does not import it (seconds), and where it is installed but does not
-    import the note is left out rather than wrongly given."""
-    import importlib.util
-
-    te_installed = importlib.util.find_spec("transformer_engine") is not None
-    return fp8_backend(precision, transformer_engine_layers(engine, precision, model, te_installed))
 
 
 def state_sharding(zero) -> StateSharding:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
-from ..config.fp8_choice import fp8_backend
+from ..config.fp8_choice import fp8_backend, output_layer_in_fp8
 from ..torch_internals.dynamo import raise_recompile_limit
 from . import torch_attention
 
@@ -217,7 +217,8 @@ def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> None:
         tcfg.gridwright_float8 = float8_setup(cfg.precision.fp8_recipe, emulate=cfg.cluster.device == "cpu")
         tcfg.gridwright_float8_name = (f"float8_{cfg.precision.fp8_recipe}(torchao"
                                        f"{', emulated' if cfg.cluster.device == 'cpu' else ''})")
-    elif backend == "transformer_engine" and cfg.precision.fp8_output_layer:
+    output_layer = output_layer_in_fp8(cfg.precision, backend, cfg.parallel, cfg.model, cfg.cluster.device == "cuda")
+    if backend == "transformer_engine" and output_layer:
         # GPTModel builds its output layer as Megatron-Core's own ColumnParallelLinear, named
         # by no spec and run outside TE's FP8 autocast (the TransformerBlock enters it), so
         # TE cannot take it without new parameters and checkpoint keys. gridwright's torchao
@@ -227,7 +228,7 @@ def choose_torch_native_paths(cfg, tcfg, te_available: bool) -> None:
 
         tcfg.gridwright_float8 = float8_setup("tensorwise", emulate=False)
         tcfg.gridwright_float8_name = "float8_tensorwise(torchao)"
-    tcfg.gridwright_float8_output_layer = tcfg.gridwright_float8 is not None and cfg.precision.fp8_output_layer
+    tcfg.gridwright_float8_output_layer = tcfg.gridwright_float8 is not None and output_layer
 
 
 def spec_name(chunks, tcfg, te_available: bool) -> str:

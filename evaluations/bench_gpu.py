@@ -229,13 +229,15 @@ def varlen_suite(gpus: int, prefix: str) -> dict:
     base = VARLEN_BASE + [f"cluster=h100_x{gpus}", f"train.global_batch_size={2 * gpus}"]
     split = [f"parallel.max_seqlen_per_rank={32768 // gpus}"]
     gridwright = ["parallel.cp_scheduler=gridwright"]
+    megatron = ["parallel.cp_scheduler=megatron"]  # the default is gridwright's: the case names say which
     dynamic = ["parallel.cp_mode=dynamic"]
     # On 4 GPUs also half a row per rank: the tokens a rank holds under CP=2 x DP=2.
     half_row = ["parallel.max_seqlen_per_rank=16384"]
     layouts = {f"cp{gpus}": [f"parallel.cp={gpus}"], **({"cp2_dp2": ["parallel.cp=2"]} if gpus == 4 else {}),
-               f"dp{gpus}": [], "dynamic": dynamic + split, "dynamic_gridwright": dynamic + split + gridwright,
-               **({"dynamic_16k": dynamic + half_row, "dynamic_16k_gridwright": dynamic + half_row + gridwright}
-                  if gpus == 4 else {})}
+               f"dp{gpus}": [], "dynamic": dynamic + split + megatron,
+               "dynamic_gridwright": dynamic + split + gridwright,
+               **({"dynamic_16k": dynamic + half_row + megatron,
+                   "dynamic_16k_gridwright": dynamic + half_row + gridwright} if gpus == 4 else {})}
     whole_row = {"dynamic_32k_gridwright": dynamic + ["parallel.max_seqlen_per_rank=32768"] + gridwright}
     cases = {f"{prefix}_{name}": base + extra for name, extra in {**layouts, **whole_row}.items()}
     cases |= {f"{prefix}_8b16l_{name}": base + LLAMA_16L + extra for name, extra in layouts.items()}

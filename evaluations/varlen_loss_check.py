@@ -38,7 +38,7 @@ def main() -> None:
     dynamic = ["parallel.cp_mode=dynamic", f"parallel.max_seqlen_per_rank={32768 // n}"]
     layouts = {
         f"static CP={n}": [f"parallel.cp={n}"],
-        "dynamic, megatron": dynamic,
+        "dynamic, megatron": dynamic + ["parallel.cp_scheduler=megatron"],
         "dynamic, gridwright": dynamic + ["parallel.cp_scheduler=gridwright"],
     }
     jobs = Path(tempfile.mkdtemp(prefix="varlen_loss_"))

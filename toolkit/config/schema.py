@@ -191,8 +191,10 @@ class ParallelConfig:
     # None: train.seq_length (a document is split only where memory requires it; on a GPU
     # cluster the memory check names the largest share that fits).
     max_seqlen_per_rank: Optional[int] = None
-    # dynamic: who deals the documents to the ranks (gridwright.engines.cp_schedulers)
-    cp_scheduler: str = choice("megatron", CpScheduler)
+    # dynamic: who deals the documents to the ranks (gridwright.engines.cp_schedulers).
+    # gridwright's was measured faster: 1.05x Megatron-Core's on 4 x H200, the 8B shape, 16k
+    # per rank (evaluations/results/bench_gpu_varlen_4xh200.md); `megatron` compares.
+    cp_scheduler: str = choice("gridwright", CpScheduler)
 
 
 @dataclass

@@ -168,7 +168,7 @@ def check_packing(data, parallel, train, model, layout: ParallelLayout) -> list[
     if dynamic and not data.packing:
         out.append("parallel.cp_mode=dynamic deals whole documents to the DP ranks: it needs packed data. "
                    "Fix: data.packing=true.")
-    if parallel.cp_scheduler != "megatron" and not dynamic:
+    if parallel.cp_scheduler != "gridwright" and not dynamic:
         out.append(f"parallel.cp_scheduler={parallel.cp_scheduler} is read only by parallel.cp_mode=dynamic. "
                    "Fix: parallel.cp_mode=dynamic.")
     if not data.packing:

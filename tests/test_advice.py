@@ -381,7 +381,7 @@ SPEED_NOTES = {
     "tp_sp_half_chosen": (GPU2 + ["parallel.tp=2", "parallel.sp=true", "engine.cuda_graphs=layers"],
                           "engine.compile_layers=true engine.tp_comm_overlap=true"),
     "tp_sp_recipe_chosen": (GPU2 + ["parallel.tp=2", "parallel.sp=true"] + RECIPE_TP.split(), None),
-    "cp_on_gpus": (GPU2 + ["parallel.cp=2"], "parallel.cp_comm_type=a2a"),
+    "cp_on_gpus": (GPU2 + ["parallel.cp=2"], None),  # all-to-all, measured faster, is its default (auto)
     "cp_packed": (GPU2 + ["parallel.cp=2", "data.packing=true"], None),  # a2a is refused with packing
     "tp_sp_on_cpu": (["+experiment=tiny_llama_tp2", "parallel.sp=true"], None),
     "tp_without_sp": (GPU2 + ["parallel.tp=2"], None),  # async TP needs SP
@@ -417,10 +417,15 @@ def test_speed_notes_name_only_missing_settings_that_validate(name):
     assert speed_notes(followed) == []
 
 
-def test_the_plan_prints_the_speed_note(run_launch):
-    result = run_launch(*GPU2, "parallel.cp=2", "launcher=plan")
+def test_the_plan_prints_the_speed_note_and_the_measured_cp_exchange(run_launch):
+    result = run_launch(*GPU2, "parallel.tp=2", "parallel.sp=true", "launcher=plan")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "note        measured faster for this layout: parallel.cp_comm_type=a2a." in result.stdout
+    assert f"note        measured faster for this layout: {RECIPE_TP}." in result.stdout
+    result = run_launch(*GPU2, "parallel.cp=2", "launcher=plan")
+    assert "cp exchange all-to-all (parallel.cp_comm_type=auto: measured faster at CP=2)" in result.stdout
+    assert "measured faster for this layout" not in result.stdout
+    result = run_launch(*GPU2, "parallel.cp=2", "parallel.cp_comm_type=all_gather", "launcher=plan")
+    assert "cp exchange all-gather (parallel.cp_comm_type=all_gather)" in result.stdout
 
 
 def test_the_model_divisions_are_reported_beside_the_world_size_and_share_its_fix():

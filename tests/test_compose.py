@@ -116,8 +116,11 @@ def test_cp_comm_type_reaches_core_attention_and_leaves_te_its_ring(compose):
         cfg = compose("parallel.cp=2", *overrides)
         return transformer_config_kwargs(cfg, ParallelLayout.from_config(cfg), te_available=te)
 
-    assert kwargs(False)["cp_comm_type"] == "all_gather"
+    assert kwargs(False)["cp_comm_type"] == "all_gather"  # auto: all-to-all was not measured on CPU
     assert kwargs(False, "parallel.cp_comm_type=a2a")["cp_comm_type"] == "a2a"
+    on_gpus = ("cluster=h100_x2", "model=bench_1b")  # auto: all-to-all, measured faster at CP=2
+    assert kwargs(False, *on_gpus)["cp_comm_type"] == kwargs(True, *on_gpus)["cp_comm_type"] == "a2a"
+    assert kwargs(False, *on_gpus, "data.packing=true")["cp_comm_type"] == "all_gather"
     assert "cp_comm_type" not in kwargs(True)
     assert kwargs(True, "parallel.cp_comm_type=a2a")["cp_comm_type"] == "a2a"
 

@@ -48,6 +48,7 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
     ]
     layers = _layers_line(cfg)
     lines += [f"layers      {layers}"] if layers else []
+    lines += [f"cp exchange {_cp_exchange_words(cfg)}"] if layout.cp > 1 else []
     lines += plan.lines()
     if plan.memory is not None:
         lines.append(f"memory/GPU  {plan.memory.describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")
@@ -56,6 +57,20 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
     lines.append("placement")
     lines.append(plan.placement.table())
     return "\n".join(lines)
+
+
+def _cp_exchange_words(cfg) -> str:
+    """How static CP exchanges its shards, and why (parallel.cp_comm_type)."""
+    from .planning.layout import A2A_MEASURED_FASTER_AT_CP, cp_exchange
+
+    exchange = cp_exchange(cfg.parallel, cfg.model, cfg.data, cfg.cluster.device == "cuda")
+    form = {"a2a": "all-to-all", "all_gather": "all-gather"}.get(exchange, exchange)
+    if cfg.parallel.cp_comm_type != "auto":
+        return f"{form} (parallel.cp_comm_type={cfg.parallel.cp_comm_type})"
+    why = (f"measured faster at CP={A2A_MEASURED_FASTER_AT_CP}" if exchange == "a2a" else
+           f"all-to-all was measured faster only at CP={A2A_MEASURED_FASTER_AT_CP}, TP=PP=EP=1, on CUDA, "
+           "for unpacked rows and heads that divide by CP")
+    return f"{form} (parallel.cp_comm_type=auto: {why})"
 
 
 def _layers_line(cfg) -> str | None:

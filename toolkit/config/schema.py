@@ -88,6 +88,7 @@ class CpCommType(StrEnum):
     """How static context parallelism exchanges its shards (Megatron-Core's cp_comm_type names)."""
     ALL_GATHER = "all_gather"  # every rank gathers all keys and values; two lower-right calls per layer
     A2A = "a2a"  # all-to-all: the whole sequence for 1/CP of the heads; one causal call per layer
+    AUTO = "auto"  # a2a where it was measured faster and applies, else all_gather (planning.layout.cp_exchange)
 
 
 class LengthDistribution(StrEnum):
@@ -185,7 +186,7 @@ class ParallelConfig:
     cp_mode: str = choice("static", CpMode)
     # static CP: how the ranks exchange their shards of a sequence (torch_attention;
     # Transformer Engine's attention takes the same names)
-    cp_comm_type: str = choice("all_gather", CpCommType)
+    cp_comm_type: str = choice("auto", CpCommType)
     # dynamic: the most tokens of one document a rank holds at once (Megatron-Core's
     # max_seqlen_per_dp_cp_rank); a longer document is split over 2, 4 ... ranks.
     # None: train.seq_length (a document is split only where memory requires it; on a GPU

@@ -16,11 +16,6 @@ TP_SP_RECIPE = Recipe(
     "TP=2+SP of the bench model ran 40.6 % MFU with them against 33.3 % eager, and the Llama-3-8B shape "
     "43.6 % (2 x H200, evaluations/results/bench_gpu_performance_2xh200.md); async TP without "
     "CUDA graphs was slower than eager there", (("tp", 2), ("sp", True), ("pp", 1), ("cp", 1), ("ep", 1)))
-CP_RECIPE = Recipe(
-    (("parallel.cp_comm_type", "a2a"),),
-    "CP=2 of the bench model ran 36.9 % MFU by all-to-all against 33.3 % by all-gather in one call "
-    "(2 x H200, bench_gpu_2xh200_20261128-2016.md, evaluations/results at commit 8871d16)",
-    (("tp", 1), ("pp", 1), ("cp", 2), ("ep", 1)))
 
 
 def measured_recipes(cfg, layout) -> list[Recipe]:
@@ -31,8 +26,6 @@ def measured_recipes(cfg, layout) -> list[Recipe]:
     out = []
     if layout.tp > 1 and layout.sp:
         out.append(TP_SP_RECIPE)
-    if layout.cp > 1 and cfg.parallel.cp_mode == "static":
-        out.append(CP_RECIPE)
     return [recipe for recipe in out if recipe.measured_for(layout)]
 
 

@@ -11,6 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ..families.registry import family
 from ..config.fp8_choice import fp8_backend, output_layer_in_fp8
+from ..planning.layout import cp_exchange
 from ..torch_internals.dynamo import raise_recompile_limit
 from . import torch_attention
 
@@ -115,12 +116,13 @@ def transformer_config_kwargs(cfg, layout, te_available: bool = True) -> dict:
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_grouped_gemm=False,
         )
-    if layout.cp > 1 and (not te_available or cfg.parallel.cp_comm_type == "a2a"):
+    exchange = cp_exchange(cfg.parallel, m, cfg.data, cfg.cluster.device == "cuda")
+    if layout.cp > 1 and (not te_available or exchange == "a2a"):
         # Handed by Megatron-Core to each layer's core attention: SDPACoreAttention's form, or
         # Transformer Engine's, which takes the same names. Unset, TE runs its ring (p2p),
         # which the default all_gather leaves it: TE's all-gather form does not take packed
         # documents.
-        kw.update(cp_comm_type=cfg.parallel.cp_comm_type)
+        kw.update(cp_comm_type=exchange)
     if cfg.engine.cuda_graphs == "layers":
         # Megatron-Core's own graphs, one per layer (the whole layer: scope []); recorded on
         # the first step, captured when its schedule ends, replayed from then on.

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, latest_checkpoint, tree_bytes
 from ..planning.disk_space import GIB, checkpoint_bytes, size_text
+from ..planning.layout import cp_exchange
 from ..runtime.heartbeat import NO_PROGRESS, save_bound_s
 from ..runtime.profiling import ProfileWindow
 from ..runtime.step_metrics import timed_step, write_memory_record
@@ -50,7 +51,8 @@ def _choose_attention(cfg, layout, trainer, job_dir) -> attention_kernels.Attent
     earlier = attention_kernels.remembered(job_dir)
     if earlier is not None:
         return earlier
-    shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout, cfg.parallel.cp_comm_type)
+    exchange = cp_exchange(cfg.parallel, cfg.model, cfg.data, cfg.cluster.device == "cuda")
+    shape = attention_kernels.attention_shape(cfg.model, cfg.train, layout, exchange)
     choice = attention_kernels.choose(cfg.engine.attention_backend, shape, DTYPES[cfg.precision.params_dtype],
                                       trainer.device, packed=bool(cfg.data.packing),
                                       transformer_engine=trainer.spec_name.startswith("transformer_engine"))

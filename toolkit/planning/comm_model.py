@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..basics.atomic_io import write_text_atomic
-from .layout import ParallelLayout
+from .layout import ParallelLayout, cp_exchange
 from .model_math import ParamCounts, param_counts
 
 FORMAT = "gridwright-comm-profile/1"
@@ -776,7 +776,8 @@ def predict_step_communication(cfg, layout: ParallelLayout, profile: CommProfile
         layers=int(m.num_layers) // layout.pp, last_stage=layout.pp == 1, moe=int(m.num_experts) > 0,
         model=m, recompute=t.recompute, zero_stage=int(cfg.zero.stage), vpp=int(cfg.parallel.vpp or 1),
         bucket_size=cfg.engine.bucket_size, ddp_bucket=_bucket_elements(cfg.engine, layout),
-        dispatcher=cfg.parallel.moe_token_dispatcher, cp_comm_type=cfg.parallel.cp_comm_type,
+        dispatcher=cfg.parallel.moe_token_dispatcher,
+        cp_comm_type=cp_exchange(cfg.parallel, cfg.model, cfg.data, cfg.cluster.device == "cuda"),
     )
     groups = {  # kind -> (placement kind, group size, calls)
         "tp": ("tp", layout.tp, _tp_calls(layout, st)),

@@ -214,3 +214,25 @@ def max_seqlen_per_rank(parallel, seq_length: int) -> int:
     (`parallel.max_seqlen_per_rank`; None: a whole row, so that a document is split only
     where memory requires it: validation's memory check names the share that fits)."""
     return parallel.max_seqlen_per_rank or seq_length
+
+
+# The all-to-all form of static CP was measured faster than the all-gather form at CP=2 with
+# TP = PP = EP = 1: the bench model ran 36.9 % MFU against 33.3 % in one call (2 x H200,
+# bench_gpu_2xh200_20261128-2016.md, evaluations/results at commit 8871d16). Elsewhere it
+# was not measured, so `auto` keeps all-gather there.
+A2A_MEASURED_FASTER_AT_CP = 2
+
+
+def cp_exchange(parallel, model, data, on_cuda: bool) -> str:
+    """How static CP exchanges its shards (parallel.cp_comm_type): as asked, or under `auto`
+    the all-to-all where it was measured faster and applies (unpacked data, heads and
+    key/value groups of each TP rank divisible by CP), else the all-gather."""
+    if parallel.cp_comm_type != "auto":
+        return parallel.cp_comm_type
+    tp, cp = parallel.tp, parallel.cp
+    heads = model.num_attention_heads // tp
+    groups = (model.num_query_groups or model.num_attention_heads) // tp
+    measured = (on_cuda and parallel.cp_mode == "static" and cp == A2A_MEASURED_FASTER_AT_CP
+                and tp == 1 and parallel.pp == 1 and parallel.ep == 1)
+    applies = not data.packing and groups > 0 and heads % cp == 0 and groups % cp == 0
+    return "a2a" if measured and applies else "all_gather"

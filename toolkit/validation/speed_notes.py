@@ -1,7 +1,9 @@
 """Notes that name settings measured faster for a run's layout on GPUs.
 
-The host-bound layouts have recipes that were measured (docs/performance.md): a user who
-composes TP with SP, or CP, gets the eager defaults unless told. The engine's rules say
+Measured choices of one setting are defaults (`auto`: the float8 output layer, the static CP
+exchange, the CP scheduler). What stays a note is TP+SP's recipe on GPUs (compiled layers,
+async TP and CUDA graphs together, docs/performance.md): CUDA graphs cannot capture
+recomputation and hold more memory, so it is named where it validates, not imposed. The engine's rules say
 which recipes its layout has (`measured_recipes`); a note names one only where the run
 has not chosen it already and where the config with it still validates (recompute,
 packing, MoE and FP8 rule some of it out), so that following it leads to a run that starts.

@@ -220,7 +220,8 @@ def run_locally(cfg, job_dir) -> Outcome:
         if code < 0 or lost:
             try:
                 error = lost or f"the agent was killed by signal {-code}"
-                if tracking.close_orphaned_run(cfg, job_dir, status, error=error, ended_by_us=bool(lost)):
+                if tracking.close_orphaned_run(cfg.tracking, cfg.launcher, job_dir, status, error=error,
+                                               ended_by_us=bool(lost)):
                     print("\n".join(tracking.where_to_see(tracking.tracking_uri(cfg.tracking), run_id)), flush=True)
             except Exception as e:  # noqa: BLE001 - a store lost mid-run: the job directory is the record
                 print(tracking.tracking_failure_line("recording the run's end", tracking.one_line(e), job_dir))

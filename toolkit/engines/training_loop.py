@@ -80,7 +80,7 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
     if on_start is not None:
         on_start(trainer)
     on_cuda = cfg.cluster.device == "cuda"
-    window = ProfileWindow(cfg, job_dir or ".", rank)
+    window = ProfileWindow(cfg.evaluate, cfg.cluster, job_dir or ".", rank)
     every = cfg.data.eval_interval
     saves = _SaveLines(cfg)
     last_save_s = None  # the previous save's time: the next one's bound (heartbeat.save_bound_s)

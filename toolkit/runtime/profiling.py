@@ -40,10 +40,10 @@ def step_times_path(job_dir: Path, rank: int) -> Path:
 class ProfileWindow:
     """Starts torch.profiler before the window's first step and writes the trace after its last."""
 
-    def __init__(self, cfg, job_dir, rank: int):
-        window = cfg.evaluate.profile_steps
+    def __init__(self, evaluate, cluster, job_dir, rank: int):
+        window = evaluate.profile_steps
         self.first, self.last = (int(window[0]), int(window[1])) if window else (None, None)
-        self.on_cuda = cfg.cluster.device == "cuda"
+        self.on_cuda = cluster.device == "cuda"
         self.job_dir, self.rank = Path(job_dir), rank
         self.profiler = None
         self.timer: dict[int, float] = {}

@@ -325,7 +325,7 @@ def log_job_dir(client, exp_id: str, job_dir: Path, *, status: str | None = None
     status = outcome if status in (None, "planned") else status
     existing = find_run(client, exp_id, JOB_ID_TAG, record["job_id"])
     if existing is not None and existing.info.status == "RUNNING":
-        close_orphaned_run(cfg, job_dir, status="killed")
+        close_orphaned_run(cfg.tracking, cfg.launcher, job_dir, status="killed")
     if existing is not None:
         if existing.data.tags.get(STATUS_TAG) != "planned" or status == "planned":
             return existing.info.run_id, False
@@ -437,7 +437,8 @@ def close_run(tracking, run_id: str, status: str, job_dir: Path | None = None, e
     client.set_terminated(run_id, status=MLFLOW_STATUS[status])
 
 
-def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None, ended_by_us: bool = False) -> str | None:
+def close_orphaned_run(tracking, launcher, job_dir: Path, status: str, error: str | None = None,
+                       ended_by_us: bool = False) -> str | None:
     """Close the job's run if it is still RUNNING but the process that kept it open is
     gone (killed, or crashed before closing it); returns the run id when it did. `error`
     says why, when the caller knows (a hang the watchdog found). `ended_by_us`: the
@@ -445,16 +446,16 @@ def close_orphaned_run(cfg, job_dir: Path, status: str, error: str | None = None
     owner = run_owner.owner(job_dir)
     if not owner or run_owner.owner_gone(owner) is not True:
         return None
-    client = client_for(tracking_uri(cfg.tracking))
+    client = client_for(tracking_uri(tracking))
     try:
         run = client.get_run(owner["run_id"])
     except Exception:  # noqa: BLE001 - a store that lost the run: nothing to close
         return None
     if run.info.status != "RUNNING":
         return None
-    if not ended_by_us and job_outcome(cfg.launcher, Path(job_dir)) == "finished":
+    if not ended_by_us and job_outcome(launcher, Path(job_dir)) == "finished":
         status = "finished"  # the owner died after the run's last write
-    close_run(cfg.tracking, run.info.run_id, status, job_dir,
+    close_run(tracking, run.info.run_id, status, job_dir,
               error=None if status == "finished" else error or
               f"pid {owner['pid']} on {owner['host']}, which kept this run open, ended without closing it")
     return run.info.run_id

@@ -91,7 +91,7 @@ def test_a_card_is_cpu_or_count_x_model(card, tmp_path):
 
 
 def test_the_cublaslt_gemm_is_on_by_default_only_while_the_gpu_tier_passes_it(compose):
-    """The float8 weight-gradient GEMM bound through ctypes (runtime.float8_gemm) runs by
+    """The float8 weight-gradient GEMM bound through ctypes (torch_internals.float8_gemm) runs by
     default on CUDA (engine.gradient_accumulation_fusion=null with torchao's tensorwise FP8).
     Its only check on a real cuBLASLt is the GPU tier: every tier file must record those
     tests as passed, or the default must be turned off."""

@@ -2,7 +2,7 @@
 itself, through Megatron-Core's linear function (with gridwright.megatron_internals.wgrad_accumulation
 standing in for Apex's extension) or through gridwright's AccumulatingMatmul (TP=1, compiled
 layers), and in float8 through Float8AccumulatingMatmul (torchao's tensorwise recipe; its
-GEMM is cuBLASLt's on CUDA, runtime.float8_gemm, and emulated in fp32 on CPU). Checked on
+GEMM is cuBLASLt's on CUDA, torch_internals.float8_gemm, and emulated in fp32 on CPU). Checked on
 CPU: the buffer holds the same sum over micro-batches as autograd's gradients, DDP's hook
 does not add a second time, float8 forwards and input gradients equal torchao's, and whole
 runs (TP=2+SP; DP=2 compiled, with the overlapped reduction and tied embeddings) follow the

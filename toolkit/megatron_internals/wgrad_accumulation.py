@@ -26,7 +26,7 @@ the weight's gradient accumulator (`flag_added_gradients`), outside the graph.
 
 Float8 linears (torchao's tensorwise recipe) fuse too: `Float8AccumulatingMatmul` runs the
 three GEMMs of torchao's `matmul_with_hp_or_float8_args` with torchao's own scaling and
-casts, but its weight-gradient GEMM adds into the buffer (`runtime.float8_gemm`, cuBLASLt
+casts, but its weight-gradient GEMM adds into the buffer (`torch_internals.float8_gemm`, cuBLASLt
 with beta = 1), where `torch._scaled_mm` would write a bf16 gradient for DDP's hook to add.
 It needs its own autograd function because torchao's computes the weight gradient inside its
 backward; it works on plain float8 tensors (not torchao's tensor subclass), so compiled

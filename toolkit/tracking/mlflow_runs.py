@@ -175,10 +175,10 @@ def job_params(cfg, layout: ParallelLayout, job_dir: Path | None = None) -> dict
     return {**flatten(cfg), **derived_params(cfg.train, layout), **plan_params(job_dir)}
 
 
-def run_name(cfg, slug: str, suffix: str = "") -> str:
+def run_name(name: str, slug: str, suffix: str = "") -> str:
     """`<experiment> <layout slug>`, e.g. `llama3_8b tp2-sp-dp4`; a sweep that varies more
     than the layout adds the point's values (`tiny_llama dp2 train.lr=1e-3`)."""
-    return f"{cfg.name} {slug}" + (f" {suffix}" if suffix else "")
+    return f"{name} {slug}" + (f" {suffix}" if suffix else "")
 
 
 def unique_run_name(client, exp_id: str, name: str) -> str:
@@ -240,7 +240,7 @@ def _log_metrics(client, run_id: str, metrics) -> None:
 def create_job_run(client, exp_id: str, cfg, layout: ParallelLayout, job_dir: Path, *,
                    tags: dict | None = None, start_time: int | None = None, name_suffix: str = "") -> str:
     """A new run for the job in `job_dir`: name, tags, params and the planning artifacts."""
-    name = unique_run_name(client, exp_id, run_name(cfg, layout.slug(), name_suffix))
+    name = unique_run_name(client, exp_id, run_name(cfg.name, layout.slug(), name_suffix))
     run = client.create_run(exp_id, start_time=start_time, run_name=name,
                             tags={**job_tags(cfg, layout, job_dir), **(tags or {})})
     run_id = run.info.run_id

@@ -85,16 +85,16 @@ def _layout_names(cfg) -> tuple[str, str]:
 class ActiveSweep:
     """The sweep running in this process: its directory, record and (tracking on) parent run."""
 
-    def __init__(self, cfg, sweep_dir: Path, record: SweepRecord):
+    def __init__(self, tracking_cfg, sweep_dir: Path, record: SweepRecord):
         self.dir, self.record = sweep_dir, record
-        self.uri = tracking.tracking_uri(cfg.tracking)
+        self.uri = tracking.tracking_uri(tracking_cfg)
         self.point_started_ms = 0  # when the point running now started
         self.client = self.exp_id = self.parent_run_id = None
-        if cfg.tracking.enabled:
-            uri = tracking.tracking_uri(cfg.tracking)
+        if tracking_cfg.enabled:
+            uri = tracking.tracking_uri(tracking_cfg)
             try:
                 client = tracking.client_for(uri)
-                self.exp_id = tracking.experiment_id(client, cfg.tracking.experiment, uri)
+                self.exp_id = tracking.experiment_id(client, tracking_cfg.experiment, uri)
                 self.parent_run_id, _ = tracking.sweep_run(client, self.exp_id, sweep_dir, record)
                 self.client = client
             except Exception as e:  # noqa: BLE001 - the sweep's records still go to sweep.json
@@ -156,7 +156,7 @@ def _point_record(sweep: ActiveSweep, config, job_return) -> dict:
     overrides = [str(o) for o in config.hydra.overrides.task]
     point = {
         "num": num,
-        "name": tracking.run_name(cfg, slug, name_suffix(sweep.record.overrides, overrides)),
+        "name": tracking.run_name(cfg.name, slug, name_suffix(sweep.record.overrides, overrides)),
         "slug": slug,
         "layout": layout,
         "overrides": overrides,
@@ -201,7 +201,7 @@ class SweepCallback(Callback):
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.sweep.dir = str(sweep_dir)
             config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_hydra_quoted(str(sweep_dir))}")
-        self.sweep = ActiveSweep(cfg, sweep_dir, record)
+        self.sweep = ActiveSweep(cfg.tracking, sweep_dir, record)
         record.parent_run_id = self.sweep.parent_run_id
         record.save(sweep_dir)
         print(f"sweep dir   {sweep_dir}", flush=True)

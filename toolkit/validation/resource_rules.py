@@ -77,7 +77,7 @@ def _memory_fix(cfg, fits, more_nodes: bool) -> dict | None:
         ("zero.stage", 1, cfg.zero.stage == 0),
         ("train.micro_batch_size", 1, cfg.train.micro_batch_size > 1)) if unset]
     subsets = [dict(c) for n in range(len(levers) + 1) for c in itertools.combinations(levers, n)]
-    for layout_change in [{}] + _bigger_layouts(cfg, more_nodes):
+    for layout_change in [{}] + _bigger_layouts(cfg.parallel, cfg.cluster, cfg.model, more_nodes):
         if not fits_with(cfg, layout_change | dict(levers), fits):
             continue  # every lever on (the least memory there) does not fit this layout
         for subset in subsets:
@@ -113,11 +113,11 @@ def fits_with(cfg, overrides: dict, fits) -> bool:
                                              advise=False))
 
 
-def _bigger_layouts(cfg, more_nodes: bool) -> list[dict]:
+def _bigger_layouts(parallel, cluster, model, more_nodes: bool) -> list[dict]:
     """More TP (powers of two, within the NVLink domain, at most 8), more PP (divisors of the
     layers) and, where asked, more nodes (up to 64 times as many): fewest GPUs first, then the
     smallest model-parallel group, TP before PP."""
-    p, c, m = cfg.parallel, cfg.cluster, cfg.model
+    p, c, m = parallel, cluster, model
     nodes = [c.nodes * 2**k for k in range(7 if more_nodes else 1)]
     tps = [t for t in (1, 2, 4, 8) if p.tp <= t <= c.nvlink_domain_size and m.num_attention_heads % t == 0] or [p.tp]
     pps = [d for d in divisors(m.num_layers) if d >= p.pp]

@@ -65,6 +65,12 @@ def fp8_backend(precision, te_available: bool):
     return precision.fp8_backend
 
 
+def vocab_shard_takes_float8(vocab_size: int, tp: int) -> bool:
+    """Whether each TP rank's vocabulary shard is whole and a multiple of 16, which float8
+    GEMMs need of every dimension (the output layer's)."""
+    return vocab_size % tp == 0 and (vocab_size // tp) % 16 == 0
+
+
 def output_layer_in_fp8(precision, backend, parallel, model, on_cuda: bool) -> bool:
     """Whether the output layer runs in float8 (Megatron-Core's layer spec): as asked, or
     under `auto` (null) where it was measured faster (OUTPUT_LAYER_MEASURED_FASTER: the
@@ -75,9 +81,9 @@ def output_layer_in_fp8(precision, backend, parallel, model, on_cuda: bool) -> b
 
     if precision.fp8_output_layer is not None:
         return bool(precision.fp8_output_layer)
-    one_gpu = all(int(getattr(parallel, k) or 1) == 1 for k in ("tp", "pp", "cp", "ep"))
+    one_gpu = all(getattr(parallel, k) == 1 for k in ("tp", "pp", "cp", "ep"))
     return (on_cuda and one_gpu and (backend, precision.fp8_recipe) in OUTPUT_LAYER_MEASURED_FASTER
-            and model.vocab_size % 16 == 0 and importlib.util.find_spec("torchao") is not None)
+            and vocab_shard_takes_float8(model.vocab_size, 1) and importlib.util.find_spec("torchao") is not None)
 
 
 def planned_layers(engine, precision, model, parallel, on_cuda: bool, te_installed: bool) -> str:

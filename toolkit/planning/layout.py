@@ -223,6 +223,18 @@ def max_seqlen_per_rank(parallel, seq_length: int) -> int:
 A2A_MEASURED_FASTER_AT_CP = 2
 
 
+def heads_per_tp_rank(model, tp: int) -> tuple[int, int]:
+    """The attention heads and key/value groups one TP rank holds."""
+    return model.num_attention_heads // tp, (model.num_query_groups or model.num_attention_heads) // tp
+
+
+def a2a_splits_heads(model, tp: int, cp: int) -> bool:
+    """Whether the all-to-all CP form can give each CP rank an equal share of a TP rank's
+    heads and key/value groups."""
+    heads, groups = heads_per_tp_rank(model, tp)
+    return groups > 0 and heads % cp == 0 and groups % cp == 0
+
+
 def cp_exchange(parallel, model, data, on_cuda: bool) -> str:
     """How static CP exchanges its shards (parallel.cp_comm_type): as asked, or under `auto`
     the all-to-all where it was measured faster and applies (unpacked data, heads and
@@ -230,9 +242,7 @@ def cp_exchange(parallel, model, data, on_cuda: bool) -> str:
     if parallel.cp_comm_type != "auto":
         return parallel.cp_comm_type
     tp, cp = parallel.tp, parallel.cp
-    heads = model.num_attention_heads // tp
-    groups = (model.num_query_groups or model.num_attention_heads) // tp
     measured = (on_cuda and parallel.cp_mode == "static" and cp == A2A_MEASURED_FASTER_AT_CP
                 and tp == 1 and parallel.pp == 1 and parallel.ep == 1)
-    applies = not data.packing and groups > 0 and heads % cp == 0 and groups % cp == 0
+    applies = not data.packing and a2a_splits_heads(model, tp, cp)
     return "a2a" if measured and applies else "all_gather"

@@ -9,7 +9,7 @@ from dataclasses import replace
 from ..families.hf_config import family_problems
 from ..data.packing import longest_document
 from ..families.registry import FAMILIES
-from ..planning.layout import ParallelLayout, max_seqlen_per_rank
+from ..planning.layout import ParallelLayout, a2a_splits_heads, heads_per_tp_rank, max_seqlen_per_rank
 from ..planning.placement import Placement, plan_placement
 from .fix_advice import divisors, fix_text, nearest_first, override_words
 
@@ -150,9 +150,8 @@ def check_cp_comm_type(parallel, data, model, layout: ParallelLayout) -> list[st
     if data.packing:
         return ["parallel.cp_comm_type=a2a with data.packing: packed documents are built for the all-gather form "
                 "only. Fix: parallel.cp_comm_type=all_gather."]
-    heads = model.num_attention_heads // layout.tp
-    groups = (model.num_query_groups or model.num_attention_heads) // layout.tp
-    if groups == 0 or heads % layout.cp or groups % layout.cp:
+    if not a2a_splits_heads(model, layout.tp, layout.cp):
+        heads, groups = heads_per_tp_rank(model, layout.tp)
         shared = math.gcd(heads, max(groups, 1))
         other = f", or a parallel.cp that divides {shared}" if shared > 1 else ""
         return [f"parallel.cp_comm_type=a2a with parallel.cp={layout.cp}: each rank of TP={layout.tp} holds "

@@ -5,7 +5,8 @@ torch-native speed keys.
 from __future__ import annotations
 
 from ..engine_rules.registry import is_known, rules
-from ..config.fp8_choice import TORCHAO_FP8_RECIPES, fp8_backend, torch_native_asked, transformer_engine_layers
+from ..config.fp8_choice import (TORCHAO_FP8_RECIPES, fp8_backend, torch_native_asked, transformer_engine_layers,
+                                 vocab_shard_takes_float8)
 from ..runtime.machine_probe import probe
 from .fix_advice import override_words
 
@@ -142,8 +143,7 @@ def _fp8_output_layer_problems(precision, model, tp: int) -> list[str]:
     """The output layer in float8 (torchao's tensorwise matmul under either FP8 backend:
     choose_torch_native_paths says why): its vocabulary shard a multiple of 16, which float8
     GEMMs need of every dimension."""
-    shard = model.vocab_size // tp
-    if model.vocab_size % tp or shard % 16:
+    if not vocab_shard_takes_float8(model.vocab_size, tp):
         return [f"precision.fp8_output_layer=true: each rank's vocabulary shard ({model.vocab_size} / TP {tp}) "
                 "must be a multiple of 16 for float8 GEMMs. Use precision.fp8_output_layer=false."]
     return []

@@ -65,9 +65,24 @@ def _status(rec: dict) -> str:
         return "gone"
 
 
+WRITING = "writing a checkpoint in the background"
+
+
+def as_judged(rec: dict, w) -> dict:
+    """The heartbeat as the watchdog judges it: a background checkpoint write older than
+    `watchdog.phase_timeout_s` counts as a phase of its own that made no progress since it
+    began, whatever the rank's steps do meanwhile (a stalled writer never stops them)."""
+    writing = rec.get("writing")
+    if writing and time.time() - writing["since"] > w.phase_timeout_s:
+        return rec | {"phase": WRITING, "time": writing["since"], "bound_s": w.phase_timeout_s,
+                      "step": writing["step"]}
+    return rec
+
+
 def late_ranks(beats: dict[int, dict], watchdog, now: float) -> dict[int, float]:
-    """The live ranks whose heartbeat is older than their bound, with its age."""
-    return {r: now - rec["time"] for r, rec in beats.items() if now - rec["time"] > bound_s(rec, watchdog)}
+    """The live ranks whose heartbeat (or background write) is older than its bound, with its age."""
+    judged = {r: as_judged(rec, watchdog) for r, rec in beats.items()}
+    return {r: now - rec["time"] for r, rec in judged.items() if now - rec["time"] > bound_s(rec, watchdog)}
 
 
 def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int, dict], watchdog) -> dict:
@@ -80,7 +95,7 @@ def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int,
         return (ranks[r]["dumped"], step, -late.get(r, 0.0))
 
     suspect = min(beats, key=behind)
-    rec = beats[suspect]
+    rec = as_judged(beats[suspect], watchdog)
     silent = max(late.get(suspect, 0.0), time.time() - rec["time"] - _DUMP_WAIT_S)
     return {"rank": suspect, "step": rec["step"], "phase": rec["phase"], "host": rec["host"],
             "silent_s": round(silent, 1), "bound_s": round(bound_s(rec, watchdog), 1),
@@ -91,6 +106,8 @@ def finding_for(beats: dict[int, dict], late: dict[int, float], ranks: dict[int,
 def describe(finding: dict, ranks: dict[int, dict], job_dir: Path) -> list[str]:
     """The block printed when a hang stops the job."""
     step = "before its first step" if finding["step"] is None else f"after step {finding['step']}"
+    if finding["phase"] == WRITING:
+        step = f"in its background write of the step-{finding['step']} checkpoint"
     if finding["phase"] == "training":
         why = (f"{finding['bound_s']:g} s: {finding['factor']:g} x its recent step of {finding['recent_step_s']:.3g} s,"
                f" at least {finding['min_stall_s']:g} s")
@@ -111,10 +128,12 @@ def _dump_stacks(job_dir: Path, beats: dict[int, dict]) -> dict[int, dict]:
     for rank, rec in beats.items():
         file = stacks_file(job_dir, rank)
         sizes[rank] = file.stat().st_size if file.exists() else 0
-        try:
-            os.kill(rec["pid"], STACK_SIGNAL)
-        except OSError:
-            pass
+        writer = (rec.get("writing") or {}).get("pid")
+        for pid in (rec["pid"], writer) if writer else (rec["pid"],):  # the writer shares the rank's stacks file
+            try:
+                os.kill(pid, STACK_SIGNAL)
+            except OSError:
+                pass
     time.sleep(_DUMP_WAIT_S)
     out = {}
     for rank, rec in beats.items():
@@ -218,5 +237,7 @@ def hang_summary(job_dir: Path, since: float = 0.0) -> str | None:
         return None
     f = found[0]
     step = "before its first step" if f["step"] is None else f"after step {f['step']}"
+    if f["phase"] == WRITING:
+        step = f"in its background write of the step-{f['step']} checkpoint"
     return (f"hang: rank {f['rank']} on {f['host']} made no progress for {f['silent_s']:g} s {step} "
             f"(bound {f['bound_s']:g} s)")

@@ -444,6 +444,14 @@ class CheckpointConfig:
     # an allowlist (gridwright.checkpoints.checkpoint_trust) and refused when they need more; true: read
     # them with full pickle, for a checkpoint of your own that carries other objects.
     trust_pickled_code: bool = False
+    # Save in the background (gridwright.engines.background_saves): training stands only while
+    # the state is staged (copied to host memory on CUDA) and a forked process writes it; the
+    # checkpoint is published once every rank's files are on disk. The last save and a
+    # stop's save are written at once. None (auto): in the background, as measured faster
+    # (docs/checkpoints.md).
+    async_save: Optional[bool] = None
+    # A save due while the previous background write still runs: wait for it, or skip this save.
+    async_busy: str = choice("wait", ("wait", "skip"))
 
 
 @dataclass

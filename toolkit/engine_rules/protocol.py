@@ -94,8 +94,10 @@ class Trainer(Protocol):
         """Resume from (or start from the weights of) `checkpoint.load`; None when there is
         nothing to load."""
 
-    def save(self, step: int, root) -> Any:
-        """Write a checkpoint of the state after `step` steps under `root`; its path."""
+    def save(self, step: int, root, background=None) -> Any:
+        """Write a checkpoint of the state after `step` steps under `root`; its path. With
+        `background` (engines.background_saves.BackgroundSaves): stage it and hand the
+        write to `background`, which publishes it later."""
 
     def run_facts(self) -> dict:
         """What the engine built that the summary should name (e.g. CUDA graphs captured);

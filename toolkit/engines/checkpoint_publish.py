@@ -26,8 +26,16 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
     on leaving, publishes it as `root/iter_N` and keeps the newest `keep_last` (0: all;
     see the module docstring). `needed_bytes`, one checkpoint's estimated size, is what a
     full disk is measured against."""
+    partial = open_iteration(root, step)
+    with saying_when_full(root, needed_bytes):
+        yield partial
+    publish_iteration(root, step, keep_last)
+
+
+def open_iteration(root: str | os.PathLike, step: int) -> Path:
+    """Collective: the empty `.partial` directory the checkpoint of `step` is written into
+    (a background save writes it while training goes on; `publish_iteration` ends it)."""
     root = Path(root)
-    final = root / iteration_name(step)
     partial = root / (iteration_name(step) + ".partial")
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -35,12 +43,26 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
             _clear(partial)
         partial.mkdir()
     dist.barrier()
+    return partial
+
+
+@contextlib.contextmanager
+def saying_when_full(root: str | os.PathLike, needed_bytes: int) -> Iterator[None]:
+    """A save's failure for want of space becomes DiskFull, said in one line."""
     try:
-        yield partial
+        yield
     except Exception as e:
         if is_disk_full(e, root, needed_bytes):
             raise DiskFull(no_space_message(root, needed_bytes)) from e
         raise
+
+
+def publish_iteration(root: str | os.PathLike, step: int, keep_last: int = 0) -> Path:
+    """Collective, once every rank has written its files into the `.partial` directory:
+    rank 0 renames it to `iter_N`, points `latest` at it, then applies `keep_last`."""
+    root = Path(root)
+    final = root / iteration_name(step)
+    partial = root / (iteration_name(step) + ".partial")
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.lexists(final):
@@ -50,6 +72,15 @@ def staged_iteration(root: str | os.PathLike, step: int, keep_last: int = 0, nee
         if keep_last:
             remove_older(root, keep_last)
     dist.barrier()
+    return final
+
+
+def discard_iteration(root: str | os.PathLike, step: int) -> None:
+    """Rank 0 removes the `.partial` of a save that failed or was abandoned (a full disk
+    gets its space back; `latest` never named it)."""
+    partial = Path(root) / (iteration_name(step) + ".partial")
+    if dist.get_rank() == 0 and os.path.lexists(partial):
+        _clear(partial)
 
 
 def _clear(path: Path) -> None:

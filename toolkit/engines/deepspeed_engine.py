@@ -151,10 +151,10 @@ class DeepSpeedTrainer:
         first_step, path, schedule_change = deepspeed_checkpoint.load(self, ck.load, job_dir, fallback=ck.fallback)
         return Resumed(first_step, path, f"resuming after step {first_step}", schedule_change)
 
-    def save(self, step: int, root):
+    def save(self, step: int, root, background=None):
         from . import deepspeed_checkpoint
 
-        return deepspeed_checkpoint.save(self, step, root)
+        return deepspeed_checkpoint.save(self, step, root, background)
 
 
 def torch_native_paths(model, cfg) -> str:

@@ -25,9 +25,9 @@ from ..checkpoints.checkpoint_dir import (
     model_differences,
 )
 from ..checkpoints.checkpoint_trust import load_state_dict_vetted, read_dcp_metadata, refuse_pickled_code_on_every_rank
-from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, write_results_in_process
+from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, results_queue_across_fork
 from ..planning.disk_space import checkpoint_bytes
-from .checkpoint_publish import staged_iteration
+from .checkpoint_publish import open_iteration, staged_iteration
 from .optimizer_schedule import restore_schedule, set_adam_form
 
 
@@ -184,26 +184,38 @@ def _load_weights_into(module, state: dict, path) -> None:
         raise CheckpointError(f"{path}: weights do not match the model: {', '.join(wrong[:8])}")
 
 
-def save(trainer, step: int, root: str | os.PathLike) -> Path:
-    """Save after `step` completed steps; returns the final checkpoint directory."""
+def save(trainer, step: int, root: str | os.PathLike, background=None) -> Path:
+    """Save after `step` completed steps; returns the checkpoint directory. With `background`
+    (a BackgroundSaves), Megatron-Core's async save stages the state and a forked process
+    writes it: the directory exists once `background` has published it."""
     from megatron.core import dist_checkpointing
 
     ck = trainer.cfg.checkpoint
     size = checkpoint_bytes(trainer.cfg.model, trainer.cfg.precision)
+    results_queue_across_fork()
+    if background is not None:
+        partial = open_iteration(root, step)
+        request = dist_checkpointing.save(_full_state(trainer, step), str(partial), async_sharded_save=True)
+        background.submit(request, step, root, size)
+        return Path(root) / iteration_name(step)
     with staged_iteration(root, step, ck.keep_last, size) as partial:
-        state = _sharded_state(trainer, is_loading=False, with_rng=True)
-        state["common"] = {
-            "step": step,
-            "scheduler": trainer.scheduler.state_dict(),
-            "layout": _layout_signature(trainer.layout),
-            "seed": trainer.cfg.train.seed,
-            "model": trainer.cfg.model.name,
-            "model_config": _model_config_dict(trainer.cfg.model),
-            "distributed_optimizer": trainer.cfg.zero.stage >= 1,
-        }
-        write_results_in_process()
-        dist_checkpointing.save(state, str(partial))
+        dist_checkpointing.save(_full_state(trainer, step), str(partial))
     return Path(root) / iteration_name(step)
+
+
+def _full_state(trainer, step: int) -> dict:
+    """Model, optimizer and RNG (sharded), and the common state of step, schedule and layout."""
+    state = _sharded_state(trainer, is_loading=False, with_rng=True)
+    state["common"] = {
+        "step": step,
+        "scheduler": trainer.scheduler.state_dict(),
+        "layout": _layout_signature(trainer.layout),
+        "seed": trainer.cfg.train.seed,
+        "model": trainer.cfg.model.name,
+        "model_config": _model_config_dict(trainer.cfg.model),
+        "distributed_optimizer": trainer.cfg.zero.stage >= 1,
+    }
+    return state
 
 
 def load(trainer, root: str | os.PathLike, weights_only: bool = False,

@@ -301,8 +301,8 @@ class MegatronTrainer:
         what = f"resuming after step {first_step}" if first_step else "weights only: training starts at step 0"
         return Resumed(first_step, path, what, schedule_change)
 
-    def save(self, step: int, root):
-        return megatron_checkpoint.save(self, step, root)
+    def save(self, step: int, root, background=None):
+        return megatron_checkpoint.save(self, step, root, background)
 
 
 def packing_multiple(layout: ParallelLayout) -> int:

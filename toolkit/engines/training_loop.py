@@ -15,10 +15,12 @@ import torch.distributed as dist
 from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, latest_checkpoint, tree_bytes
 from ..planning.disk_space import GIB, checkpoint_bytes, size_text
 from ..planning.layout import cp_exchange
+from ..planning.save_mode import saves_in_background
 from ..runtime.heartbeat import NO_PROGRESS, save_bound_s
 from ..runtime.profiling import ProfileWindow
 from ..runtime.step_metrics import timed_step, write_memory_record
 from . import attention_kernels
+from .background_saves import BackgroundSaves
 from ..engine_rules.registry import rules
 
 
@@ -35,8 +37,10 @@ def run_training(cfg, layout, on_step, on_start=None, job_dir=None, stop=None, p
     with engine.open_trainer(cfg, layout, job_dir) as trainer:
         attention = _choose_attention(cfg, layout, trainer, job_dir)
         with attention_kernels.use(attention):
-            _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
+            saves = _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress)
         facts = {"attention": attention.facts(), **trainer.run_facts()}
+        if saves:
+            facts["checkpoint_saves"] = saves
     if cfg.engine.compile_layers:
         from ..torch_internals.dynamo import compiled_graphs
 
@@ -61,7 +65,9 @@ def _choose_attention(cfg, layout, trainer, job_dir) -> attention_kernels.Attent
     return choice
 
 
-def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
+def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict]:
+    """The steps; returns one record per checkpoint saved: how long training stood still
+    for it and, for a background save, how long its write took."""
     rank = dist.get_rank()
     ck = cfg.checkpoint
     first_step = 0
@@ -83,7 +89,10 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
     window = ProfileWindow(cfg.evaluate, cfg.cluster, job_dir or ".", rank)
     every = cfg.data.eval_interval
     saves = _SaveLines(cfg)
+    background = BackgroundSaves(ck, trainer.device, progress) if ck.save and saves_in_background(ck) else None
+    records = []
     last_save_s = None  # the previous save's time: the next one's bound (heartbeat.save_bound_s)
+    signal = None
     for step in range(first_step, cfg.train.steps):
         window.before_step(step)
         metrics = timed_step(trainer.train_step, step, on_cuda)
@@ -99,30 +108,47 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> None:
             progress.phase("evaluating")  # its first forward-only pass may compile for minutes
             metrics["val_loss"] = trainer.evaluate(done // every)
             progress.phase("training")
+        if background is not None:
+            background.poll()  # publishes a background save once every rank's writer has ended
         if trainer.is_logging_rank:
             on_step(step, metrics)
         due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
         signal = stop.agreed(trainer.device) if stop is not None else None
         if ck.save and (due or signal):
-            if rank == 0:
-                saves.announce(done)
-            started = time.perf_counter()
-            progress.phase("saving", save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), last_save_s,
-                                                  cfg.watchdog.save_floor_s))
-            path = trainer.save(done, ck.save)
-            last_save_s = time.perf_counter() - started
+            bound = save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), last_save_s, cfg.watchdog.save_floor_s)
+            progress.phase("saving", bound)
+            last = done == cfg.train.steps or signal is not None  # written at once: nothing trains after it
+            if background is not None and last:
+                background.finish(bound, "the end of training" if signal is None else f"signal {signal}")
+            if background is None or last or background.before_save(done):
+                if rank == 0:
+                    saves.announce(done)
+                started = time.perf_counter()
+                path = trainer.save(done, ck.save, None if last else background)
+                last_save_s = time.perf_counter() - started
+                if background is None or last:
+                    records.append({"step": done, "background": False, "stall_s": last_save_s})
+                    if rank == 0:
+                        saves.done(path, last_save_s)
+                else:
+                    background.staged_for(last_save_s)
+                    if rank == 0:
+                        saves.staged(done, last_save_s)
             progress.phase("training")
-            if rank == 0:
-                saves.done(path, time.perf_counter() - started)
         if signal:
             if rank == 0:
                 print(f"stopped     by signal {signal} after step {step}"
                       + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
             break
+    if background is not None:  # a run that ends without a last save (nothing left to train)
+        background.finish(save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), last_save_s,
+                                       cfg.watchdog.save_floor_s), "the end of training")
+        records += [dict(r, background=True) for r in background.published]
     progress.phase("finishing")
     if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record
         write_memory_record(job_dir, rank, on_cuda)
     dist.barrier()
+    return sorted(records, key=lambda r: r["step"])
 
 
 # A checkpoint larger than this gets a line before its save or load starts (they take
@@ -158,6 +184,9 @@ class _SaveLines:
         eta = f", est. {size / self.bytes_per_s:.0f} s at the last save's rate" if self.bytes_per_s else ""
         print(f"checkpoint  saving step {step} to {self.cfg.checkpoint.save}: about {size_text(size)}{eta}",
               flush=True)
+
+    def staged(self, step: int, seconds: float) -> None:
+        print(f"checkpoint  staged step {step} in {seconds:.2f} s; writing it in the background", flush=True)
 
     def done(self, path, seconds: float) -> None:
         size = tree_bytes(path)

@@ -6,8 +6,6 @@ engine's save and load need two private calls. All are true of the tested releas
 """
 from __future__ import annotations
 
-import queue
-
 # What dist_checkpointing writes into metadata.json for torch_dist
 # (dist_checkpointing/core.py CheckpointingConfig, strategies/torch.py backend version 1).
 TORCH_DIST_METADATA = {
@@ -20,7 +18,7 @@ CITED = [
     ("optimizer/distrib_optimizer.py", "def _init_optimizer_states_with_dummy_values(self):"),
     # the step extraction that fails on a fresh optimizer without Apex/TE (no states yet)
     ("optimizer/distrib_optimizer.py", 'steps = list(set([s["step"].item() for s in inner_state_dict["state"].values()]))'),
-    # the private queue write_results_in_process sets
+    # the private queue results_queue_across_fork sets
     ("dist_checkpointing/strategies/filesystem_async.py", "_results_queue = None"),
 ]
 
@@ -36,17 +34,52 @@ def materialise_distributed_optimizer_states(optimizer) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
-def write_results_in_process() -> None:
-    """Give Megatron's checkpoint writer a results queue inside this process.
+class _ResultsAcrossFork:
+    """What Megatron's writer puts its results into and its finalize takes them from
+    (`put`, `get_nowait`), across a fork: the background writer is a forked child and the
+    finalize runs in the training process. A pipe carries them and a thread of the training
+    process drains it at once, so a child's large results never block its exit (a plain
+    multiprocessing queue would: its feeder thread waits for a reader at the child's exit,
+    while the parent reads only once the child has exited)."""
+
+    _WAIT_S = 30.0  # the finalize asks only after the writer ended: its results are in the pipe
+
+    def __init__(self):
+        import multiprocessing
+        import queue
+        import threading
+
+        self._reader, self._writer = multiprocessing.Pipe(duplex=False)
+        self._received = queue.Queue()
+        threading.Thread(target=self._drain, name="gridwright-ckpt-results", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._received.put(self._reader.recv())
+            except (EOFError, OSError):
+                return
+
+    def put(self, item) -> None:
+        self._writer.send(item)
+
+    def get_nowait(self):
+        return self._received.get(timeout=self._WAIT_S)  # raises queue.Empty, as Megatron expects
+
+
+def results_queue_across_fork() -> None:
+    """Give Megatron's checkpoint writer a results queue that works in this process and
+    across a fork, without a process of its own.
 
     Its first save otherwise starts a `spawn` multiprocessing Manager to hold the queue: a
     fresh interpreter with SIGTERM's default action. Slurm signals every process of a job
     step, more than once, so on scancel the Manager died mid stop-save and the save failed
-    with EOFError (seen in CI). The queue only carries results between processes for
-    Megatron's async save; gridwright saves synchronously (the write runs in this process),
-    so a plain queue does. This sets a private module global of filesystem_async.
+    with EOFError (seen in CI); and a Manager outlives a SIGKILL of its parent. Synchronous
+    saves write in this process, background saves in a forked child (Megatron-Core's
+    TemporalAsyncCaller): `_ResultsAcrossFork` serves both. This sets a private module
+    global of filesystem_async.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
+    if not isinstance(getattr(filesystem_async, "_results_queue", None), _ResultsAcrossFork):
+        filesystem_async._results_queue = _ResultsAcrossFork()

@@ -1,7 +1,8 @@
 """Each rank's sign of life, in the job directory: what a node's agent watches for hangs.
 
 A rank writes `heartbeats/<its agent's token>/rank_NNNNN.json` (atomically) as it moves between phases
-(starting, training, evaluating, saving, finishing) and after its steps, at most once a second:
+(starting, training, evaluating, saving, finishing), when a background checkpoint write begins
+and ends, and after its steps, at most once a second:
 its step, the time, and the median of its recent step times. It also arms faulthandler
 so that SIGUSR1 dumps every thread's Python stack into `stacks/rank_NNNNN.txt` without
 the interpreter's help (a rank blocked inside a collective still answers). The agent
@@ -58,6 +59,18 @@ class Heartbeat:
         self.record.update(phase=name, bound_s=bound_s)
         self._write()
 
+    def writing(self, step: int, pid: int | None) -> None:
+        """A background write of the checkpoint of `step` began, in process `pid` (None: this
+        rank has nothing to write); the rank trains on meanwhile, and the watchdog bounds
+        the write by `watchdog.phase_timeout_s` (a stalled writer never stops the steps)."""
+        self.record["writing"] = {"step": step, "pid": pid, "since": time.time()}
+        self._write()
+
+    def written(self) -> None:
+        """The background write was published, failed or abandoned."""
+        self.record.pop("writing", None)
+        self._write()
+
     def step_done(self, step: int, step_time_s: float) -> None:
         self._times = (self._times + [step_time_s])[-_RECENT:]
         self.record.update(phase="training", step=step, recent_step_s=statistics.median(self._times))
@@ -86,6 +99,12 @@ class _NoProgress:
     """What an engine's loop reports to when nobody listens (tests, tools)."""
 
     def phase(self, name: str, bound_s: float | None = None) -> None:
+        pass
+
+    def writing(self, step: int, pid: int | None) -> None:
+        pass
+
+    def written(self) -> None:
         pass
 
     def step_done(self, step: int, step_time_s: float) -> None:

@@ -24,6 +24,7 @@ process group, Megatron's per-file writers included), and the watchdog bounds a 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoints.checkpoint_dir import CheckpointError, tree_bytes
+from ..megatron_internals.cpu_compat import cpu_compat
 from ..planning.disk_space import size_text
 from ..runtime.heartbeat import NO_PROGRESS
 from .checkpoint_publish import discard_iteration, publish_iteration, saying_when_full
@@ -84,6 +86,9 @@ class BackgroundSaves:
         self.says = dist.get_rank() == 0
         self._queue = None
         self._pending: _Pending | None = None
+        # Megatron-Core's queue asks torch.cuda for a device and a synchronize; on CPU (the
+        # DeepSpeed engine too) its CPU stand-ins answer
+        self._compat = cpu_compat if device.type == "cpu" else contextlib.nullcontext
         self.published: list[dict] = []  # one record per published background save
 
     @property
@@ -102,7 +107,8 @@ class BackgroundSaves:
             request = request._replace(async_fn=functools.partial(_write_in_background, request.async_fn))
         request.add_finalize_fn(functools.partial(publish_iteration, root, step, self.cfg.keep_last))
         self._pending = _Pending(step, Path(root), needed_bytes, 0.0, time.perf_counter())
-        self._queue.schedule_async_request(request)
+        with self._compat():
+            self._queue.schedule_async_request(request)
         self.progress.writing(step, self._writer_pid())
 
     def staged_for(self, seconds: float) -> None:
@@ -168,7 +174,7 @@ class BackgroundSaves:
         pending = self._pending
         started = time.perf_counter()
         try:
-            with saying_when_full(pending.root, pending.needed_bytes):
+            with saying_when_full(pending.root, pending.needed_bytes), self._compat():
                 done = self._queue.maybe_finalize_async_calls(blocking=blocking)
         except Exception as e:
             self._pending = None

@@ -24,7 +24,9 @@ checks the result against it.
 """
 from __future__ import annotations
 
+import collections
 import json
+import multiprocessing
 import os
 import subprocess
 from pathlib import Path
@@ -48,7 +50,7 @@ from ..checkpoints.checkpoint_trust import guarded_module_command, load_torch_fi
 from ..deepspeed_internals import universal
 from ..checkpoints.logits_digest import digest, sample_tokens
 from ..planning.disk_space import checkpoint_bytes
-from .checkpoint_publish import staged_iteration
+from .checkpoint_publish import open_iteration, staged_iteration
 from .optimizer_schedule import restore_schedule, set_adam_form
 from ..engine_rules.deepspeed_rules import resharding, settings
 
@@ -66,38 +68,130 @@ def logits_digest(trainer) -> dict:
     return digest(logits)
 
 
-def save(trainer, step: int, root: str | os.PathLike) -> Path:
-    """Save after `step` completed steps; returns the final checkpoint directory."""
-    import deepspeed
-
+def save(trainer, step: int, root: str | os.PathLike, background=None) -> Path:
+    """Save after `step` completed steps; returns the checkpoint directory. With `background`
+    (a BackgroundSaves), DeepSpeed's files are staged (`StagedFiles`) and a forked process
+    writes them: the directory exists once `background` has published it."""
     ck = trainer.cfg.checkpoint
     size = checkpoint_bytes(trainer.cfg.model, trainer.cfg.precision)
-    with staged_iteration(root, step, ck.keep_last, size) as partial:
-        fingerprint = logits_digest(trainer)
+    if background is None:
+        with staged_iteration(root, step, ck.keep_last, size) as partial:
+            fingerprint = logits_digest(trainer)
+            _save_files(trainer, partial)
+            dist.barrier()
+            if dist.get_rank() == 0:
+                _write_manifest(_manifest(trainer, step, fingerprint), partial)
+        return Path(root) / iteration_name(step)
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    partial = open_iteration(root, step)
+    manifest = _manifest(trainer, step, logits_digest(trainer))  # the state now, not at the write's end
+    staged = StagedFiles(trainer.engine.checkpoint_engine)
+    _save_files(trainer, partial, staged)
+    outcome = multiprocessing.Pipe(duplex=False)
+
+    def complete() -> None:  # every rank, once every rank's writer has ended
+        failed = _write_failed(outcome[0])
+        flags = torch.tensor([int(failed is not None)], dtype=torch.int, device=trainer.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if failed is not None:
+            raise failed
+        if flags.item():
+            raise CheckpointError(f"another rank's write of the step-{step} checkpoint failed")
+        if dist.get_rank() == 0:
+            _write_manifest(manifest, partial)
+
+    request = AsyncRequest(staged.write_all, (outcome[1],), [complete])
+    background.submit(request, step, root, size)
+    return Path(root) / iteration_name(step)
+
+
+def _save_files(trainer, partial: Path, engine=None) -> None:
+    """DeepSpeed's save_checkpoint into `partial`, through `engine` (a CheckpointEngine) if given."""
+    original = trainer.engine.checkpoint_engine
+    if engine is not None:
+        trainer.engine.checkpoint_engine = engine
+    try:
         # the entry DeepSpeed's universal converter wants: it lets a resume change the DP size
         trainer.engine.save_checkpoint(str(partial.parent), tag=partial.name, save_latest=False,
                                        client_state=universal.client_state_entry())
-        dist.barrier()
-        if dist.get_rank() == 0:
-            cfg = trainer.cfg
-            manifest = {
-                "format": "deepspeed",
-                "deepspeed_version": deepspeed.__version__,
-                "common": {
-                    "engine": "deepspeed",
-                    "step": step,
-                    "scheduler": trainer.scheduler.state_dict(),
-                    "settings": settings(cfg.zero, cfg.precision, trainer.layout.dp),
-                    "seed": cfg.train.seed,
-                    "model": cfg.model.name,
-                    "model_config": OmegaConf.to_container(cfg.model, resolve=True),
-                },
-                "logits_digest": fingerprint,
-                "files": {str(f.relative_to(partial)): f.stat().st_size
-                          for f in sorted(partial.rglob("*")) if f.is_file()},
-            }
-            write_text_atomic(partial / DEEPSPEED_MANIFEST, json.dumps(manifest, indent=1))
-    return Path(root) / iteration_name(step)
+    finally:
+        trainer.engine.checkpoint_engine = original
+
+
+def _manifest(trainer, step: int, fingerprint: dict) -> dict:
+    """The manifest's common state, taken when the save is made."""
+    import deepspeed
+
+    cfg = trainer.cfg
+    return {
+        "format": "deepspeed",
+        "deepspeed_version": deepspeed.__version__,
+        "common": {
+            "engine": "deepspeed",
+            "step": step,
+            "scheduler": trainer.scheduler.state_dict(),
+            "settings": settings(cfg.zero, cfg.precision, trainer.layout.dp),
+            "seed": cfg.train.seed,
+            "model": cfg.model.name,
+            "model_config": OmegaConf.to_container(cfg.model, resolve=True),
+        },
+        "logits_digest": fingerprint,
+    }
+
+
+def _write_manifest(manifest: dict, partial: Path) -> None:
+    """Rank 0, once every rank has written: the manifest with each file's size."""
+    files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
+    write_text_atomic(partial / DEEPSPEED_MANIFEST, json.dumps(manifest | {"files": files}, indent=1))
+
+
+def _on_host(obj):
+    """`obj` with every tensor in its dicts, lists and tuples detached and, on a GPU, copied
+    to host memory (what the writer will write: training may change the originals)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu") if obj.device.type != "cpu" else obj.detach()
+    if isinstance(obj, dict):  # an OrderedDict stays one (module state dicts are)
+        out = {k: _on_host(v) for k, v in obj.items()}
+        return collections.OrderedDict(out) if isinstance(obj, collections.OrderedDict) else out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
+
+
+def _write_failed(reader) -> BaseException | None:
+    """What this rank's writer reported: None when it wrote every file (a writer that sent
+    nothing died)."""
+    if not reader.poll(5.0):
+        return CheckpointError("this rank's checkpoint writer ended without writing its files")
+    result = reader.recv()
+    return None if result is None else result
+
+
+class StagedFiles:
+    """A DeepSpeed checkpoint engine that writes nothing while DeepSpeed saves: each file's
+    state is kept (its tensors copied to host memory on CUDA; on CPU the writer's fork is
+    the copy) and `write_all`, run in the forked writer, writes them as DeepSpeed's own
+    engine would (torch.save). Loading, directories and commits stay the original's."""
+
+    def __init__(self, original):
+        self.original = original
+        self.files: list[tuple[object, str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
+
+    def save(self, state_dict, path: str) -> None:
+        self.files.append((_on_host(state_dict), path))
+
+    def write_all(self, outcome) -> None:
+        try:
+            for state, path in self.files:
+                self.original.save(state, path)
+            outcome.send(None)
+        except BaseException as e:  # the training process raises it, on every rank
+            outcome.send(OSError(e.errno, f"{e.strerror or e}: {getattr(e, 'filename', '')}") if isinstance(e, OSError)
+                         else CheckpointError(f"{type(e).__name__}: {e}"))
 
 
 def resumes_through_universal(checkpoint, zero, precision, dp: int) -> bool:

@@ -72,6 +72,9 @@ class _Pending:
     needed_bytes: int
     staged_s: float  # how long training stood still for this save
     started: float
+    # host memory the staging took in this process: the copies of GPU tensors (on CPU the fork
+    # shares the pages, and training's changes copy them: up to this rank's part of the checkpoint)
+    staged_bytes: int = 0
 
 
 class BackgroundSaves:
@@ -111,10 +114,11 @@ class BackgroundSaves:
             self._queue.schedule_async_request(request)
         self.progress.writing(step, self._writer_pid())
 
-    def staged_for(self, seconds: float) -> None:
-        """How long training stood still for the pending save (staging and the fork)."""
+    def staged_for(self, seconds: float, grew_bytes: int) -> None:
+        """How long training stood still for the pending save (staging and the fork), and
+        how much this process grew meanwhile (the staged copies)."""
         if self._pending is not None:
-            self._pending.staged_s = seconds
+            self._pending.staged_s, self._pending.staged_bytes = seconds, max(0, grew_bytes)
 
     def _writer(self):
         if self._queue is None or not self._queue.async_calls:
@@ -191,7 +195,8 @@ class BackgroundSaves:
         write_s = time.perf_counter() - pending.started
         stall_s = pending.staged_s + (time.perf_counter() - started)  # staging, then the publication
         path = pending.root / f"iter_{pending.step:07d}"
-        record = {"step": pending.step, "stall_s": stall_s, "write_s": write_s}
+        record = {"step": pending.step, "stall_s": stall_s, "write_s": write_s,
+                  "staged_bytes": pending.staged_bytes}
         if self.says:
             size = tree_bytes(path)
             record["bytes"] = size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import time
 
+import psutil
 import torch.distributed as dist
 
 from ..checkpoints.checkpoint_dir import CheckpointError, holds_checkpoints, latest_checkpoint, tree_bytes
@@ -123,15 +124,16 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
             if background is None or last or background.before_save(done):
                 if rank == 0:
                     saves.announce(done)
-                started = time.perf_counter()
+                started, rss = time.perf_counter(), psutil.Process().memory_info().rss
                 path = trainer.save(done, ck.save, None if last else background)
                 last_save_s = time.perf_counter() - started
                 if background is None or last:
-                    records.append({"step": done, "background": False, "stall_s": last_save_s})
+                    records.append({"step": done, "background": False, "stall_s": last_save_s,
+                                    "bytes": tree_bytes(path) if rank == 0 else None})
                     if rank == 0:
                         saves.done(path, last_save_s)
                 else:
-                    background.staged_for(last_save_s)
+                    background.staged_for(last_save_s, psutil.Process().memory_info().rss - rss)
                     if rank == 0:
                         saves.staged(done, last_save_s)
             progress.phase("training")

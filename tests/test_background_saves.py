@@ -1,0 +1,208 @@
+"""Background checkpoint saves (checkpoint.async_save) on both engines, with real kills and
+signals at real moments of a write: nothing is lost, nothing half-written is published,
+nothing is left running, and a resume continues exactly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO
+from test_stops import assert_all_gone, role, run_tree, workers_of
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+ENGINES = ["megatron", "deepspeed"]
+# A model whose checkpoint (about 0.3 GB) takes longer to write than a step takes to run,
+# so that a save is caught mid-write and the next save comes while one is written.
+MEDIUM = ["model.hidden_size=256", "model.ffn_hidden_size=704", "model.vocab_size=32000", "model.name=medium_llama",
+          "checkpoint.async_save=true"]
+
+
+def start(tmp_path: Path, name: str, *overrides) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    cmd = [sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / name}",
+           "train.warmup_steps=1", *overrides]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def losses(job: Path) -> dict[int, float]:
+    rows = [json.loads(l) for l in (job / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def latest(ck: Path) -> str | None:
+    try:
+        return (ck / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
+def writing(job: Path, after: str | None) -> dict | None:
+    """Rank 0's background write under way, of a step later than `after` (an iter_N name)."""
+    for beat in job.glob("heartbeats/*/rank_00000.json"):
+        try:
+            rec = json.loads(beat.read_text())
+        except (OSError, ValueError):
+            continue
+        w = rec.get("writing")
+        if w and w.get("pid") and (after is None or w["step"] > int(after[5:])):
+            return w
+    return None
+
+
+def wait_for_a_write(job: Path, ck: Path, proc: subprocess.Popen, timeout: float = 240) -> tuple[str, dict]:
+    """Once a checkpoint is published, the next background write under way: (latest, write)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        before = latest(ck)
+        if before is not None:
+            w = writing(job, before)
+            if w is not None and latest(ck) == before:
+                return before, w
+        time.sleep(0.005)
+    raise AssertionError("no background write seen")
+
+
+def complete(ck: Path, name: str, engine: str) -> bool:
+    marker = "metadata.json" if engine == "megatron" else "gridwright_deepspeed.json"
+    return (ck / name / marker).is_file()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("victim", ["worker", "agent", "launcher"])
+def test_a_kill_mid_write_keeps_latest_and_publishes_nothing(tmp_path, engine, victim):
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}",
+                 "checkpoint.save_interval=2", "checkpoint.keep_last=1")
+    try:
+        tree = run_tree(proc)
+        before, w = wait_for_a_write(tmp_path / "job", ck, proc)
+        writer = psutil.Process(w["pid"])
+        target = {"launcher": tree[0], "agent": role(tree, "gridwright.launchers.agent"),
+                  "worker": workers_of(tree)[0]}[victim]
+        target.kill()
+        assert_all_gone(tree + [writer], within=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    partial = ck / f"iter_{w['step']:07d}.partial"
+    assert latest(ck) == before and complete(ck, before, engine)
+    assert partial.is_dir(), "the write had ended before the kill"  # caught mid-write
+    assert not (ck / f"iter_{w['step']:07d}").exists()
+    assert sorted(p.name for p in ck.iterdir()) == sorted([before, partial.name, "latest"])  # keep_last=1
+
+    if victim == "worker":  # the same launch resumes from `before` and removes the leftover
+        job = tmp_path / "resumed"
+        done = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={job}",
+                               "train.warmup_steps=1", f"engine={engine}", *MEDIUM, f"train.steps={int(before[5:]) + 2}",
+                               f"checkpoint.load={ck}", f"checkpoint.save={ck}"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert f"checkpoint  loaded {ck / before} in " in done.stdout
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_waits_for_the_write_then_saves_and_stops(tmp_path, engine):
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}",
+                 "checkpoint.save_interval=4")
+    try:
+        tree = run_tree(proc)
+        _, w = wait_for_a_write(tmp_path / "job", ck, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert_all_gone(tree, within=10)
+    last, pending = max(losses(tmp_path / "job")), f"iter_{w['step']:07d}"
+    assert f"checkpoint  saved {ck / pending} in the background" in out, out[-3000:]
+    assert latest(ck) == f"iter_{last + 1:07d}" and complete(ck, latest(ck), engine)
+    assert complete(ck, pending, engine)
+
+
+def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path):
+    """A writer that cannot finish (stopped here) holds a stop for the save's bound only."""
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}", "checkpoint.save_interval=2",
+                 "watchdog.save_floor_s=5")
+    try:
+        tree = run_tree(proc)
+        before, w = wait_for_a_write(tmp_path / "job", ck, proc)
+        writer = psutil.Process(w["pid"])
+        writer.suspend()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert_all_gone(tree + [writer], within=10)
+    assert (f"checkpoint  the step-{w['step']} checkpoint's background write did not end within 5 s of signal "
+            f"{int(signal.SIGTERM)}: abandoned; latest still names the previous checkpoint") in out, out[-3000:]
+    last = max(losses(tmp_path / "job"))
+    assert latest(ck) == f"iter_{last + 1:07d}" and complete(ck, latest(ck), "megatron")  # the stop's own save
+    assert not (ck / f"iter_{w['step']:07d}.partial").exists() and not (ck / f"iter_{w['step']:07d}").exists()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_saves_during_a_write_wait_or_skip_and_resume_exactly(tmp_path, engine):
+    """Saving every step, each save comes while the previous is written: `wait` saves them
+    all, `skip` skips and says so; a background checkpoint resumes with the uninterrupted
+    run's losses at every step."""
+    base = [f"engine={engine}", *MEDIUM, "train.steps=8", "checkpoint.save_interval=1"]
+    out = {}
+    for busy in ("wait", "skip"):
+        done = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / busy}",
+                               "train.warmup_steps=1", *base, f"checkpoint.save={tmp_path / (busy + '_ck')}",
+                               f"checkpoint.async_busy={busy}"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out[busy] = done.stdout
+    waited = [l for l in out["wait"].splitlines() if "checkpoint's background write (checkpoint.async_busy=wait)" in l]
+    skipped = [l for l in out["skip"].splitlines() if "not saved: the step-" in l]
+    assert waited and not [l for l in out["wait"].splitlines() if "not saved" in l], out["wait"][-3000:]
+    assert skipped and all(l.endswith("is still being written (checkpoint.async_busy=skip)") for l in skipped)
+    kept = sorted(p.name for p in (tmp_path / "wait_ck").iterdir() if p.name.startswith("iter_"))
+    assert kept == [f"iter_{s:07d}" for s in range(1, 9)]
+
+    reference, ck = losses(tmp_path / "wait"), tmp_path / "wait_ck"
+    (ck / "latest").write_text("iter_0000003\n")
+    resumed = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / 'r'}",
+                              "train.warmup_steps=1", *base, f"checkpoint.load={ck}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = losses(tmp_path / "r")
+    assert sorted(after) == list(range(3, 8)) and all(after[s] == reference[s] for s in after), (after, reference)
+
+
+def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path):
+    ck = tmp_path / "ck"
+    proc = start(tmp_path, "job", *MEDIUM, "train.steps=4000", f"checkpoint.save={ck}",
+                 "checkpoint.save_interval=3", "checkpoint.async_busy=skip", "watchdog.phase_timeout_s=8")
+    try:
+        tree = run_tree(proc)
+        _, w = wait_for_a_write(tmp_path / "job", ck, proc)
+        writer = psutil.Process(w["pid"])
+        writer.suspend()
+        stopped = time.time()
+        out, _ = proc.communicate(timeout=120)
+        took = time.time() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert took < 8 + 30, f"the job took {took:.0f} s to stop"
+    hang = [l for l in out.splitlines() if l.startswith("hang        rank ")]
+    assert len(hang) == 1 and f"in its background write of the step-{w['step']} checkpoint" in hang[0], out[-3000:]
+    assert "while writing a checkpoint in the background" in hang[0]
+    assert_all_gone(tree + [writer], within=10)
+    assert (tmp_path / "job" / "stacks" / "rank_00000.txt").stat().st_size > 0

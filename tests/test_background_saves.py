@@ -20,7 +20,7 @@ ENGINES = ["megatron", "deepspeed"]
 # A model whose checkpoint (about 0.3 GB) takes longer to write than a step takes to run,
 # so that a save is caught mid-write and the next save comes while one is written.
 MEDIUM = ["model.hidden_size=256", "model.ffn_hidden_size=704", "model.vocab_size=32000", "model.name=medium_llama",
-          "checkpoint.async_save=true"]
+          "train.micro_batch_size=1", "train.global_batch_size=2", "checkpoint.async_save=true"]
 
 
 def start(tmp_path: Path, name: str, *overrides) -> subprocess.Popen:
@@ -77,13 +77,14 @@ def complete(ck: Path, name: str, engine: str) -> bool:
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("victim", ["worker", "agent", "launcher"])
 def test_a_kill_mid_write_keeps_latest_and_publishes_nothing(tmp_path, engine, victim):
+    """Whatever dies mid-write, `latest` names a complete checkpoint and no half-written one
+    is ever published; no process is left."""
     ck = tmp_path / "ck"
     proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}",
                  "checkpoint.save_interval=2", "checkpoint.keep_last=1")
     try:
-        tree = run_tree(proc)
         before, w = wait_for_a_write(tmp_path / "job", ck, proc)
-        writer = psutil.Process(w["pid"])
+        writer, tree = psutil.Process(w["pid"]), run_tree(proc)
         target = {"launcher": tree[0], "agent": role(tree, "gridwright.launchers.agent"),
                   "worker": workers_of(tree)[0]}[victim]
         target.kill()
@@ -92,11 +93,16 @@ def test_a_kill_mid_write_keeps_latest_and_publishes_nothing(tmp_path, engine, v
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
-    partial = ck / f"iter_{w['step']:07d}.partial"
-    assert latest(ck) == before and complete(ck, before, engine)
-    assert partial.is_dir(), "the write had ended before the kill"  # caught mid-write
-    assert not (ck / f"iter_{w['step']:07d}").exists()
-    assert sorted(p.name for p in ck.iterdir()) == sorted([before, partial.name, "latest"])  # keep_last=1
+    partial, pending = ck / f"iter_{w['step']:07d}.partial", f"iter_{w['step']:07d}"
+    published = sorted(p.name for p in ck.iterdir() if p.name.startswith("iter_") and "." not in p.name)
+    assert all(complete(ck, name, engine) for name in published) and latest(ck) in published
+    if victim == "worker":  # the other rank cannot finish the write: it stays a .partial, never published
+        assert latest(ck) == before and partial.is_dir() and pending not in published
+        assert published == [before]  # keep_last=1 never took the one being written for an old one
+    else:
+        # Without its agent a worker is sent SIGTERM (process_tree.die_with_parent): both ranks
+        # then finish the write under way, publish it, and save the step they are at.
+        assert latest(ck) > pending and pending not in published and not partial.exists()
 
     if victim == "worker":  # the same launch resumes from `before` and removes the leftover
         job = tmp_path / "resumed"
@@ -114,8 +120,8 @@ def test_sigterm_waits_for_the_write_then_saves_and_stops(tmp_path, engine):
     proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}",
                  "checkpoint.save_interval=4")
     try:
-        tree = run_tree(proc)
         _, w = wait_for_a_write(tmp_path / "job", ck, proc)
+        tree = run_tree(proc)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -135,9 +141,8 @@ def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path):
     proc = start(tmp_path, "job", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}", "checkpoint.save_interval=2",
                  "watchdog.save_floor_s=5")
     try:
-        tree = run_tree(proc)
         before, w = wait_for_a_write(tmp_path / "job", ck, proc)
-        writer = psutil.Process(w["pid"])
+        writer, tree = psutil.Process(w["pid"]), run_tree(proc)
         writer.suspend()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=240)
@@ -187,11 +192,11 @@ def test_saves_during_a_write_wait_or_skip_and_resume_exactly(tmp_path, engine):
 def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path):
     ck = tmp_path / "ck"
     proc = start(tmp_path, "job", *MEDIUM, "train.steps=4000", f"checkpoint.save={ck}",
-                 "checkpoint.save_interval=3", "checkpoint.async_busy=skip", "watchdog.phase_timeout_s=8")
+                 "checkpoint.save_interval=3", "checkpoint.async_busy=skip", "checkpoint.keep_last=2",
+                 "watchdog.phase_timeout_s=8")
     try:
-        tree = run_tree(proc)
         _, w = wait_for_a_write(tmp_path / "job", ck, proc)
-        writer = psutil.Process(w["pid"])
+        writer, tree = psutil.Process(w["pid"]), run_tree(proc)
         writer.suspend()
         stopped = time.time()
         out, _ = proc.communicate(timeout=120)

@@ -23,6 +23,7 @@ from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_di
                              planned_job_dir, read_json, same_job)
 from .runtime.outcome import EXIT_INVALID, Outcome
 from .planning.plan import Plan
+from .planning.save_mode import save_mode_line
 from .validation.validate import ConfigError, validate
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ def plan_text(cfg, plan: Plan, job_dir) -> str:
     layers = _layers_line(cfg)
     lines += [f"layers      {layers}"] if layers else []
     lines += [f"cp exchange {_cp_exchange_words(cfg)}"] if layout.cp > 1 else []
+    saves = save_mode_line(cfg.checkpoint, cfg.model, cfg.precision, cfg.cluster)
+    lines += [f"saves       {saves}"] if saves else []
     lines += plan.lines()
     if plan.memory is not None:
         lines.append(f"memory/GPU  {plan.memory.describe()} (estimate; {cfg.cluster.gpu.memory_gib} GiB)")

@@ -90,7 +90,8 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
     window = ProfileWindow(cfg.evaluate, cfg.cluster, job_dir or ".", rank)
     every = cfg.data.eval_interval
     saves = _SaveLines(cfg)
-    background = BackgroundSaves(ck, trainer.device, progress) if ck.save and saves_in_background(ck) else None
+    background = BackgroundSaves(ck, trainer.device, progress) \
+        if ck.save and saves_in_background(ck, cfg.cluster.device) else None
     records = []
     last_save_s = None  # the previous save's time: the next one's bound (heartbeat.save_bound_s)
     signal = None

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gridwright.evaluations.results_file import card_of_this_machine, write_json, write_markdown
+from gridwright.evaluations.results_file import card_of_this_machine, write_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evaluations" / "results"
@@ -144,7 +144,6 @@ def main(argv=None) -> int:
     print(text)
     cmd = "python -m gridwright.evaluations.bench_checkpoint " + " ".join(sys.argv[1:])
     write_markdown(args.out, "bench_checkpoint", card, cmd.strip(), text, title="Checkpoint saves: synchronous and in the background")
-    write_json(args.out, "bench_checkpoint", card, {"rows": rows})
     return 0
 
 

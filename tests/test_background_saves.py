@@ -211,3 +211,79 @@ def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path):
     assert "while writing a checkpoint in the background" in hang[0]
     assert_all_gone(tree + [writer], within=10)
     assert (tmp_path / "job" / "stacks" / "rank_00000.txt").stat().st_size > 0
+
+
+# Every layout and ZeRO form a background save writes: saved mid-run, resumed in a new
+# launch at the same layout, the losses equal the uninterrupted run's at every step.
+LAYOUTS = {
+    "megatron_tp2_sp": ["+experiment=tiny_llama_tp2", "parallel.sp=true"],
+    "megatron_pp2_vpp2": ["+experiment=tiny_llama_pp2", "parallel.vpp=2"],
+    "megatron_cp2": ["parallel.cp=2"],
+    "megatron_ep2": ["+experiment=tiny_mixtral_cpu"],
+    "megatron_dp2_zero1": ["zero=stage1"],
+    "deepspeed_zero0": ["engine=deepspeed"],
+    "deepspeed_zero2": ["engine=deepspeed", "zero=stage2"],
+    "deepspeed_zero3": ["engine=deepspeed", "zero=stage3"],
+    "deepspeed_zero2_offload": ["engine=deepspeed", "zero=stage2", "zero.offload_optimizer=true"],
+}
+
+
+def launch_ok(tmp_path: Path, name: str, *overrides) -> dict[int, float]:
+    done = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / name}",
+                           "train.warmup_steps=1", *overrides], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return losses(tmp_path / name)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_background_checkpoint_resumes_exactly_at_every_layout(tmp_path, name):
+    ck, layout = tmp_path / "ck", LAYOUTS[name]
+    whole = launch_ok(tmp_path, "whole", *layout, "train.steps=6", f"checkpoint.save={ck}",
+                      "checkpoint.save_interval=2", "checkpoint.async_save=true")
+    (ck / "latest").write_text("iter_0000002\n")
+    resumed = launch_ok(tmp_path, "resumed", *layout, "train.steps=6", f"checkpoint.load={ck}")
+    assert sorted(resumed) == [2, 3, 4, 5] and all(resumed[s] == whole[s] for s in resumed), (resumed, whole)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_background_checkpoint_resumes_at_another_layout(tmp_path, engine):
+    """Resharding: a background save of a 2-process run resumes on one process (DeepSpeed:
+    through its universal form) and follows the uninterrupted run."""
+    ck = tmp_path / "ck"
+    layout = ["zero=stage1"] + (["engine=deepspeed"] if engine == "deepspeed" else [])
+    whole = launch_ok(tmp_path, "whole", *layout, "train.steps=8", f"checkpoint.save={ck}",
+                      "checkpoint.save_interval=4", "checkpoint.async_save=true")
+    (ck / "latest").write_text("iter_0000004\n")
+    resumed = launch_ok(tmp_path, "resumed", *layout, "cluster.gpus_per_node=1", "train.steps=8",
+                        f"checkpoint.load={ck}")
+    assert sorted(resumed) == [4, 5, 6, 7]
+    assert [resumed[s] for s in resumed] == pytest.approx([whole[s] for s in resumed], rel=2e-6)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_disk_that_fills_during_a_background_write_says_so_and_keeps_latest(tmp_path, engine):
+    from test_reliability import small_file_system
+
+    with small_file_system(tmp_path / "small", "8m") as small:
+        ck = small / "ck"
+        proc = start(tmp_path, "job", f"engine={engine}", "train.steps=400", f"checkpoint.save={ck}",
+                     "checkpoint.save_interval=100", "checkpoint.keep_last=1", "checkpoint.async_save=true")
+        deadline = time.time() + 240
+        while time.time() < deadline and latest(ck) is None:
+            time.sleep(0.05)
+        first = latest(ck)
+        with open(small / "ballast", "wb") as f:  # fill what is left
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        out, _ = proc.communicate(timeout=300)
+        assert latest(ck) == first and complete(ck, first, engine)
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if "no space left on" in line]
+    assert lines and f"no space left on {ck}: a checkpoint needs about " in lines[0] \
+        and "The previous checkpoint is intact." in lines[0], out[-3000:]

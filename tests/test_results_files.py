@@ -17,7 +17,7 @@ BENCHMARKS = {
     "bench_wgrad_gemm", "bench_convert", "bench_plan", "bench_dynamic_cp", "verify_conversions", "gpu_tier",
     "fp8_loss_check", "fp8_loss_check_te", "varlen_loss_check", "eval_sweep", "validate_traces_megatron",
     "validate_traces_deepspeed", "comm_profile",
-    "stop_check",
+    "stop_check", "bench_checkpoint",
 }
 NAME = re.compile(r"(?P<benchmark>[a-z0-9_]+?)_(?P<card>cpu|\d+x[a-z0-9]+)\.(?P<suffix>md|json)")
 

@@ -50,7 +50,7 @@ from ..checkpoints.checkpoint_trust import guarded_module_command, load_torch_fi
 from ..deepspeed_internals import universal
 from ..checkpoints.logits_digest import digest, sample_tokens
 from ..planning.disk_space import checkpoint_bytes
-from .checkpoint_publish import open_iteration, staged_iteration
+from .checkpoint_publish import open_iteration, saying_when_full, staged_iteration
 from .optimizer_schedule import restore_schedule, set_adam_form
 from ..engine_rules.deepspeed_rules import resharding, settings
 
@@ -87,7 +87,8 @@ def save(trainer, step: int, root: str | os.PathLike, background=None) -> Path:
     partial = open_iteration(root, step)
     manifest = _manifest(trainer, step, logits_digest(trainer))  # the state now, not at the write's end
     staged = StagedFiles(trainer.engine.checkpoint_engine)
-    _save_files(trainer, partial, staged)
+    with saying_when_full(root, size):  # DeepSpeed copies a script into the directory now
+        _save_files(trainer, partial, staged)
     outcome = multiprocessing.Pipe(duplex=False)
 
     def complete() -> None:  # every rank, once every rank's writer has ended

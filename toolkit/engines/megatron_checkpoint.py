@@ -27,7 +27,7 @@ from ..checkpoints.checkpoint_dir import (
 from ..checkpoints.checkpoint_trust import load_state_dict_vetted, read_dcp_metadata, refuse_pickled_code_on_every_rank
 from ..megatron_internals.checkpoint_format import materialise_distributed_optimizer_states, results_queue_across_fork
 from ..planning.disk_space import checkpoint_bytes
-from .checkpoint_publish import open_iteration, staged_iteration
+from .checkpoint_publish import open_iteration, saying_when_full, staged_iteration
 from .optimizer_schedule import restore_schedule, set_adam_form
 
 
@@ -195,7 +195,8 @@ def save(trainer, step: int, root: str | os.PathLike, background=None) -> Path:
     results_queue_across_fork()
     if background is not None:
         partial = open_iteration(root, step)
-        request = dist_checkpointing.save(_full_state(trainer, step), str(partial), async_sharded_save=True)
+        with saying_when_full(root, size):  # the common state is written now
+            request = dist_checkpointing.save(_full_state(trainer, step), str(partial), async_sharded_save=True)
         background.submit(request, step, root, size)
         return Path(root) / iteration_name(step)
     with staged_iteration(root, step, ck.keep_last, size) as partial:

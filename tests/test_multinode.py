@@ -17,7 +17,8 @@ from gridwright.launchers.local import free_port
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 200  # long enough (about 10 s of steps) for the requeue to land mid-run
-COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "checkpoint.save_interval=10"]
+# Saves in the background (as on CUDA by default): a requeue lands while one may be written.
+COMMON = [f"train.steps={STEPS}", "train.warmup_steps=1", "checkpoint.save_interval=10", "checkpoint.async_save=true"]
 
 
 def plan(tmp_path: Path, name: str, *overrides) -> Path:

@@ -3,7 +3,7 @@
     python -m gridwright.evaluations.bench_checkpoint [--out DIR] [--models tiny larger] [--engines megatron deepspeed]
 
 Each row is two `launch.py` runs of one engine and model, alike but for
-`checkpoint.async_save`, each saving every `--interval` steps. From the runs' summaries
+`checkpoint.async_save`, each saving every few steps (per model). From the runs' summaries
 (`checkpoint_saves`, one record per save and rank 0) it reports, per mode: the stall per
 save (the time the step loop stood still: the whole write when synchronous; staging, the
 fork and the publication in the background), the background write's time and MB/s, the
@@ -15,7 +15,8 @@ run's at every later step. The last save of a run is synchronous in both modes (
 trains after it) and is left out. Writes `results/bench_checkpoint_<card>.md`.
 
 `larger` is a model whose synchronous save takes more than 2 s on the 2-core development
-machine; `llama3_8b_16l` (1 GPU) is the Llama-3-8B shape with 16 layers.
+machine; `bench_1b` (1 GPU) is the bench model, which keeps one checkpoint (disk): its
+resume check starts from the last periodic save.
 """
 from __future__ import annotations
 
@@ -33,13 +34,15 @@ from gridwright.evaluations.results_file import card_of_this_machine, write_mark
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evaluations" / "results"
 
+# name: (overrides, save interval); the interval leaves a background write time to end
 MODELS = {
-    "tiny": ["train.steps=16"],
-    "larger": ["train.steps=10", "model.num_layers=8", "model.hidden_size=768", "model.ffn_hidden_size=2048",
-               "model.num_attention_heads=12", "model.num_query_groups=12", "model.vocab_size=32000",
-               "model.name=larger_llama"],
-    "llama3_8b_16l": ["+experiment=llama3_8b", "model.num_layers=16", "cluster=h200_1gpu", "train.steps=14",
-                      "train.micro_batch_size=2", "train.global_batch_size=2"],
+    "tiny": (["train.steps=16"], 3),
+    "larger": (["train.steps=10", "model.num_layers=8", "model.hidden_size=768", "model.ffn_hidden_size=2048",
+                "model.num_attention_heads=12", "model.num_query_groups=12", "model.vocab_size=32000",
+                "model.name=larger_llama"], 3),
+    # one GPU: the bench model, 0.85 B, a 12 GiB checkpoint (the 8B shape's 74 GiB do not fit the
+    # GPU machines' 64 GiB disk); bf16, ZeRO-1, sequence 4096
+    "bench_1b": (["+bench=bench_gpu", "cluster=h100_x1", "train.steps=45", "checkpoint.keep_last=2"], 20),
 }
 GOAL = {"cpu": 0.20}  # the stall per background save, at most this share of the synchronous one's
 GPU_GOAL = 0.10
@@ -62,8 +65,9 @@ def periodic(saves: list[dict], background: bool) -> list[dict]:
     return [s for s in saves if s["background"] == background]
 
 
-def row(engine: str, model: str, interval: int, work: Path) -> dict:
-    base = [f"engine={engine}", *MODELS[model], f"checkpoint.save_interval={interval}"]
+def row(engine: str, model: str, work: Path) -> dict:
+    overrides, interval = MODELS[model]
+    base = [f"engine={engine}", *overrides, f"checkpoint.save_interval={interval}"]
     out = {"engine": engine, "model": model}
     for mode in ("sync", "async"):
         ck = work / f"{engine}_{model}_{mode}_ck"
@@ -83,20 +87,23 @@ def row(engine: str, model: str, interval: int, work: Path) -> dict:
             "losses": got["losses"],
             "ck": ck,
         }
-        if mode == "sync":  # the synchronous write's size and speed, from its saves' lines
+        if mode == "sync":  # the synchronous write's size and speed; its checkpoints are not needed
             sizes = [s.get("bytes") for s in kept if s.get("bytes")]
             out[mode]["mb_per_s"] = statistics.median(sizes) / 1e6 / out[mode]["write_s"] if sizes else None
-    # Resume the background run's first checkpoint and compare every later step (keep_last
-    # is 0: all its checkpoints are there).
+            shutil.rmtree(ck, ignore_errors=True)
+    # Resume the background run's first checkpoint still there and compare every later step.
     a = out["async"]
-    resume_from = interval - 1
+    kept = sorted(int(p.name[5:]) for p in a["ck"].glob("iter_???????") if int(p.name[5:]) % interval == 0
+                  and int(p.name[5:]) <= max(a["losses"]))
+    resume_from = kept[0] - 1 if kept and kept[0] <= max(a["losses"]) else interval - 1
     (a["ck"] / "latest").write_text(f"iter_{resume_from + 1:07d}\n")
     resumed = run(f"{engine}_{model}_resumed", base + [f"checkpoint.load={a['ck']}"], work)
     diffs = [abs(resumed["losses"][s] - a["losses"][s]) for s in resumed["losses"]]
     out["resume"] = {"from_step": resume_from + 1, "steps": len(diffs), "max_abs_diff": max(diffs)}
     out["stall_ratio"] = out["async"]["stall_s"] / out["sync"]["stall_s"]
     for mode in ("sync", "async"):
-        out[mode].pop("losses"), out[mode].pop("ck")
+        out[mode].pop("losses")
+        shutil.rmtree(out[mode].pop("ck"), ignore_errors=True)
     return out
 
 
@@ -126,12 +133,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--models", nargs="*", default=["tiny", "larger"])
     ap.add_argument("--engines", nargs="*", default=["megatron", "deepspeed"])
-    ap.add_argument("--interval", type=int, default=3)
     args = ap.parse_args(argv)
     card = card_of_this_machine()
     work = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
     try:
-        rows = [row(engine, model, args.interval, work) for engine in args.engines for model in args.models]
+        rows = [row(engine, model, work) for engine in args.engines for model in args.models]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     goal = GOAL.get(card, GPU_GOAL)

@@ -3,6 +3,7 @@ signals at real moments of a write: nothing is lost, nothing half-written is pub
 nothing is left running, and a resume continues exactly."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,8 +152,9 @@ def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path):
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert_all_gone(tree + [writer], within=10)
-    assert (f"checkpoint  the step-{w['step']} checkpoint's background write did not end within 5 s of signal "
-            f"{int(signal.SIGTERM)}: abandoned; latest still names the previous checkpoint") in out, out[-3000:]
+    said = re.search(rf"checkpoint  the step-{w['step']} checkpoint's background write did not end within (\d+) s "
+                     rf"of signal {int(signal.SIGTERM)}: abandoned; latest still names the previous checkpoint", out)
+    assert said and int(said[1]) < 30, out[-3000:]  # the save's bound: 5 x the last write, at least 5 s
     last = max(losses(tmp_path / "job"))
     assert latest(ck) == f"iter_{last + 1:07d}" and complete(ck, latest(ck), "megatron")  # the stop's own save
     assert not (ck / f"iter_{w['step']:07d}.partial").exists() and not (ck / f"iter_{w['step']:07d}").exists()

@@ -98,6 +98,11 @@ class BackgroundSaves:
     def busy(self) -> bool:
         return self._pending is not None
 
+    @property
+    def last_write_s(self) -> float | None:
+        """The last published write's time (the next write's bound); None before the first."""
+        return self.published[-1]["write_s"] if self.published else None
+
     def submit(self, request, step: int, root, needed_bytes: int) -> None:
         """Collective: start writing `request` (an AsyncRequest whose finalize functions
         complete the checkpoint's files) into `root`'s `.partial` of `step`; publication is

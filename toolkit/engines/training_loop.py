@@ -117,15 +117,17 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
         due = done == cfg.train.steps or (ck.save_interval and done % ck.save_interval == 0)
         signal = stop.agreed(trainer.device) if stop is not None else None
         if ck.save and (due or signal):
-            bound = save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), last_save_s, cfg.watchdog.save_floor_s)
+            # a background write under way may be waited for: its own last time bounds that
+            timed = background.last_write_s if background is not None and background.busy else last_save_s
+            bound = save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), timed, cfg.watchdog.save_floor_s)
             progress.phase("saving", bound)
             last = done == cfg.train.steps or signal is not None  # written at once: nothing trains after it
+            started, rss = time.perf_counter(), psutil.Process().memory_info().rss  # a wait for a write counts
             if background is not None and last:
                 background.finish(bound, "the end of training" if signal is None else f"signal {signal}")
             if background is None or last or background.before_save(done):
                 if rank == 0:
                     saves.announce(done)
-                started, rss = time.perf_counter(), psutil.Process().memory_info().rss
                 path = trainer.save(done, ck.save, None if last else background)
                 last_save_s = time.perf_counter() - started
                 if background is None or last:
@@ -144,7 +146,7 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
                       + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
             break
     if background is not None:  # a run that ends without a last save (nothing left to train)
-        background.finish(save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), last_save_s,
+        background.finish(save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), background.last_write_s,
                                        cfg.watchdog.save_floor_s), "the end of training")
         records += [dict(r, background=True) for r in background.published]
     progress.phase("finishing")

@@ -37,19 +37,21 @@ def results_path(out: Path, benchmark: str, card: str, suffix: str = ".md") -> P
 
 
 def commit_here() -> str:
-    """The commit this checkout is at (`+` when it has uncommitted changes). Outside git (the
-    GPU machines get a copy of the working tree without its history) the caller names it in
-    GRIDWRIGHT_COMMIT, or it is ''."""
+    """The commit this checkout is at (`+` when it has uncommitted changes). A caller that
+    names it in GRIDWRIGHT_COMMIT is believed first: the GPU machines get a copy of the
+    working tree, whose git metadata (where any came along) need not be this commit's."""
     named = os.environ.get("GRIDWRIGHT_COMMIT", "")
+    if named:
+        return named
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return named
+        return ""
     if head.returncode != 0:
-        return named
+        return ""
     return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 

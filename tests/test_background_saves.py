@@ -75,8 +75,10 @@ def complete(ck: Path, name: str, engine: str) -> bool:
     return (ck / name / marker).is_file()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("victim", ["worker", "agent", "launcher"])
+# A lost agent and a lost launcher end alike (the workers are sent SIGTERM): the launcher is
+# killed on one engine only.
+@pytest.mark.parametrize("engine, victim", [("megatron", "worker"), ("megatron", "agent"), ("megatron", "launcher"),
+                                            ("deepspeed", "worker"), ("deepspeed", "agent")])
 def test_a_kill_mid_write_keeps_latest_and_publishes_nothing(tmp_path, engine, victim):
     """Whatever dies mid-write, `latest` names a complete checkpoint and no half-written one
     is ever published; no process is left."""
@@ -136,10 +138,11 @@ def test_sigterm_waits_for_the_write_then_saves_and_stops(tmp_path, engine):
     assert complete(ck, pending, engine)
 
 
-def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path, engine):
     """A writer that cannot finish (stopped here) holds a stop for the save's bound only."""
     ck = tmp_path / "ck"
-    proc = start(tmp_path, "job", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}", "checkpoint.save_interval=2",
+    proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}", "checkpoint.save_interval=2",
                  "watchdog.save_floor_s=5")
     try:
         before, w = wait_for_a_write(tmp_path / "job", ck, proc)
@@ -156,7 +159,7 @@ def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path):
                      rf"of signal {int(signal.SIGTERM)}: abandoned; latest still names the previous checkpoint", out)
     assert said and int(said[1]) < 30, out[-3000:]  # the save's bound: 5 x the last write, at least 5 s
     last = max(losses(tmp_path / "job"))
-    assert latest(ck) == f"iter_{last + 1:07d}" and complete(ck, latest(ck), "megatron")  # the stop's own save
+    assert latest(ck) == f"iter_{last + 1:07d}" and complete(ck, latest(ck), engine)  # the stop's own save
     assert not (ck / f"iter_{w['step']:07d}.partial").exists() and not (ck / f"iter_{w['step']:07d}").exists()
 
 
@@ -165,7 +168,7 @@ def test_saves_during_a_write_wait_or_skip_and_resume_exactly(tmp_path, engine):
     """Saving every step, each save comes while the previous is written: `wait` saves them
     all, `skip` skips and says so; a background checkpoint resumes with the uninterrupted
     run's losses at every step."""
-    base = [f"engine={engine}", *MEDIUM, "train.steps=8", "checkpoint.save_interval=1"]
+    base = [f"engine={engine}", *MEDIUM, "train.steps=5", "checkpoint.save_interval=1"]
     out = {}
     for busy in ("wait", "skip"):
         done = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / busy}",
@@ -179,21 +182,22 @@ def test_saves_during_a_write_wait_or_skip_and_resume_exactly(tmp_path, engine):
     assert waited and not [l for l in out["wait"].splitlines() if "not saved" in l], out["wait"][-3000:]
     assert skipped and all(l.endswith("is still being written (checkpoint.async_busy=skip)") for l in skipped)
     kept = sorted(p.name for p in (tmp_path / "wait_ck").iterdir() if p.name.startswith("iter_"))
-    assert kept == [f"iter_{s:07d}" for s in range(1, 9)]
+    assert kept == [f"iter_{s:07d}" for s in range(1, 6)]
 
     reference, ck = losses(tmp_path / "wait"), tmp_path / "wait_ck"
-    (ck / "latest").write_text("iter_0000003\n")
+    (ck / "latest").write_text("iter_0000002\n")
     resumed = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / 'r'}",
                               "train.warmup_steps=1", *base, f"checkpoint.load={ck}"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     after = losses(tmp_path / "r")
-    assert sorted(after) == list(range(3, 8)) and all(after[s] == reference[s] for s in after), (after, reference)
+    assert sorted(after) == list(range(2, 5)) and all(after[s] == reference[s] for s in after), (after, reference)
 
 
-def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path, engine):
     ck = tmp_path / "ck"
-    proc = start(tmp_path, "job", *MEDIUM, "train.steps=4000", f"checkpoint.save={ck}",
+    proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=4000", f"checkpoint.save={ck}",
                  "checkpoint.save_interval=3", "checkpoint.async_busy=skip", "checkpoint.keep_last=2",
                  "watchdog.phase_timeout_s=8")
     try:
@@ -217,14 +221,11 @@ def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path):
 
 # Every layout and ZeRO form a background save writes: saved mid-run, resumed in a new
 # launch at the same layout, the losses equal the uninterrupted run's at every step.
+# (DP=2 at ZeRO 0 resumes in the wait-or-skip test, at ZeRO-1 on another layout below.)
 LAYOUTS = {
     "megatron_tp2_sp": ["+experiment=tiny_llama_tp2", "parallel.sp=true"],
     "megatron_pp2_vpp2": ["+experiment=tiny_llama_pp2", "parallel.vpp=2"],
-    "megatron_cp2": ["parallel.cp=2"],
     "megatron_ep2": ["+experiment=tiny_mixtral_cpu"],
-    "megatron_dp2_zero1": ["zero=stage1"],
-    "deepspeed_zero0": ["engine=deepspeed"],
-    "deepspeed_zero2": ["engine=deepspeed", "zero=stage2"],
     "deepspeed_zero3": ["engine=deepspeed", "zero=stage3"],
     "deepspeed_zero2_offload": ["engine=deepspeed", "zero=stage2", "zero.offload_optimizer=true"],
 }

@@ -53,7 +53,8 @@ def workers_of(tree) -> list[psutil.Process]:
     worker carries the worker's command line)."""
     named = [p for p in tree if "gridwright.launchers.worker" in cmdline(p)]
     pids = {p.pid for p in named}
-    return [p for p in named if parent_pid(p) not in pids]
+    # a process gone meanwhile has no parent to ask: a short-lived writer's child, not a worker
+    return [p for p in named if parent_pid(p) is not None and parent_pid(p) not in pids]
 
 
 def parent_pid(proc: psutil.Process) -> int | None:

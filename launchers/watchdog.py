@@ -8,8 +8,10 @@ is hung when its heartbeat is older than its bound:
 * while training: `watchdog.stall_factor` x the median of its recent step times, and at
   least `watchdog.min_stall_s` (a profiled or evaluating step is slower, not stopped);
 * while starting (building, compiling, loading a checkpoint), evaluating, writing a
-  profiler trace, saving or finishing: `watchdog.phase_timeout_s`, as those take minutes
-  on large models.
+  profiler trace or finishing: `watchdog.phase_timeout_s`, as those take minutes
+  on large models;
+* while saving, or writing a checkpoint in the background as it trains on: the rank's own
+  bound, from the checkpoint's size or the previous save's time (`heartbeat.save_bound_s`).
 
 Then every rank of this node is asked for its Python stacks (SIGUSR1, faulthandler), the
 finding is written to `hangs/<host>-<token>.json` and printed as one block naming the rank
@@ -70,12 +72,13 @@ WRITING = "writing a checkpoint in the background"
 
 def as_judged(rec: dict, w) -> dict:
     """The heartbeat as the watchdog judges it: a background checkpoint write older than
-    `watchdog.phase_timeout_s` counts as a phase of its own that made no progress since it
-    began, whatever the rank's steps do meanwhile (a stalled writer never stops them)."""
+    its bound (the rank's, as for a save: `heartbeat.save_bound_s`) counts as a phase of its
+    own that made no progress since it began, whatever the rank's steps do meanwhile (a
+    stalled writer never stops them)."""
     writing = rec.get("writing")
-    if writing and time.time() - writing["since"] > w.phase_timeout_s:
-        return rec | {"phase": WRITING, "time": writing["since"], "bound_s": w.phase_timeout_s,
-                      "step": writing["step"]}
+    bound = (writing or {}).get("bound_s", w.phase_timeout_s)
+    if writing and time.time() - writing["since"] > bound:
+        return rec | {"phase": WRITING, "time": writing["since"], "bound_s": bound, "step": writing["step"]}
     return rec
 
 

@@ -199,7 +199,7 @@ def test_a_stalled_writer_is_found_by_the_watchdog(tmp_path, engine):
     ck = tmp_path / "ck"
     proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=4000", f"checkpoint.save={ck}",
                  "checkpoint.save_interval=3", "checkpoint.async_busy=skip", "checkpoint.keep_last=2",
-                 "watchdog.phase_timeout_s=8")
+                 "watchdog.save_floor_s=8")  # a write's bound; starting keeps its own (a loaded machine is slow)
     try:
         _, w = wait_for_a_write(tmp_path / "job", ck, proc)
         writer, tree = psutil.Process(w["pid"]), run_tree(proc)

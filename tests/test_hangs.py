@@ -153,6 +153,20 @@ def test_a_saves_bound_comes_from_its_size_and_the_measured_speed(compose):
     assert first_save_bound_s(cfg) == 120.0 and first_save_bound_s(compose()) == 0.0
 
 
+def test_a_background_write_is_bounded_as_a_save_while_the_rank_trains_on(compose):
+    import time
+
+    from gridwright.launchers.watchdog import WRITING, as_judged
+
+    w = compose("watchdog.phase_timeout_s=1800").watchdog
+    now = time.time()
+    rec = {"phase": "training", "step": 41, "recent_step_s": 0.5, "time": now, "host": "h"}
+    writes = {"step": 40, "pid": 7, "bound_s": 150.0}
+    assert as_judged(rec | {"writing": writes | {"since": now - 100}}, w) == rec | {"writing": writes | {"since": now - 100}}
+    stalled = as_judged(rec | {"writing": writes | {"since": now - 200}}, w)
+    assert (stalled["phase"], stalled["step"], stalled["bound_s"], stalled["time"]) == (WRITING, 40, 150.0, now - 200)
+
+
 def test_the_bound_follows_recent_step_times_and_phases(compose):
     from gridwright.launchers.watchdog import bound_s, finding_for, late_ranks
 

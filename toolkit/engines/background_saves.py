@@ -19,8 +19,10 @@ DS_BUILD_OPS=0 does not, so the DeepSpeed engine stages its files through a chec
 engine of its own (`deepspeed_checkpoint`) and uses this same queue.
 
 The writer is tied to its rank: it dies with it (a parent-death signal kills the writer's
-process group, Megatron's per-file writers included), and the watchdog bounds a write by
-`watchdog.phase_timeout_s` (`heartbeat.Heartbeat.writing`).
+process group, Megatron's per-file writers included), and the watchdog bounds a write as
+it bounds a save: 5 x the last write's time, the first by the checkpoint's size, never below
+`watchdog.save_floor_s` and at most `watchdog.phase_timeout_s` (`heartbeat.save_bound_s`,
+`heartbeat.Heartbeat.writing`).
 """
 from __future__ import annotations
 
@@ -82,8 +84,10 @@ class BackgroundSaves:
     while one is written waits for it or is skipped, `checkpoint.async_busy`). Every method
     that may finalize is collective: call it on every rank at the same point."""
 
-    def __init__(self, checkpoint_cfg, device: torch.device, progress=NO_PROGRESS):
+    def __init__(self, checkpoint_cfg, device: torch.device, write_bound_s, progress=NO_PROGRESS):
+        """`write_bound_s(last_write_s)`: how long a write may take (heartbeat.save_bound_s)."""
         self.cfg = checkpoint_cfg
+        self._bound_after = write_bound_s
         self.device = device
         self.progress = progress
         self.says = dist.get_rank() == 0
@@ -103,6 +107,11 @@ class BackgroundSaves:
         """The last published write's time (the next write's bound); None before the first."""
         return self.published[-1]["write_s"] if self.published else None
 
+    @property
+    def bound_s(self) -> float:
+        """How long the next (or the pending) write may take before it counts as stalled."""
+        return self._bound_after(self.last_write_s)
+
     def submit(self, request, step: int, root, needed_bytes: int) -> None:
         """Collective: start writing `request` (an AsyncRequest whose finalize functions
         complete the checkpoint's files) into `root`'s `.partial` of `step`; publication is
@@ -117,7 +126,7 @@ class BackgroundSaves:
         self._pending = _Pending(step, Path(root), needed_bytes, 0.0, time.perf_counter())
         with self._compat():
             self._queue.schedule_async_request(request)
-        self.progress.writing(step, self._writer_pid())
+        self.progress.writing(step, self._writer_pid(), self.bound_s)
 
     def staged_for(self, seconds: float, grew_bytes: int) -> None:
         """How long training stood still for the pending save (staging and the fork), and

@@ -90,7 +90,13 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
     window = ProfileWindow(cfg.evaluate, cfg.cluster, job_dir or ".", rank)
     every = cfg.data.eval_interval
     saves = _SaveLines(cfg)
-    background = BackgroundSaves(ck, trainer.device, progress) \
+    def save_bound(previous_s: float | None) -> float:
+        return save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), previous_s, cfg.watchdog.save_floor_s)
+
+    def write_bound(previous_s: float | None) -> float:  # a stalled write is found within the phase bound
+        return min(save_bound(previous_s), cfg.watchdog.phase_timeout_s)
+
+    background = BackgroundSaves(ck, trainer.device, write_bound, progress) \
         if ck.save and saves_in_background(ck, cfg.cluster.device) else None
     records = []
     last_save_s = None  # the previous save's time: the next one's bound (heartbeat.save_bound_s)
@@ -118,8 +124,7 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
         signal = stop.agreed(trainer.device) if stop is not None else None
         if ck.save and (due or signal):
             # a background write under way may be waited for: its own last time bounds that
-            timed = background.last_write_s if background is not None and background.busy else last_save_s
-            bound = save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), timed, cfg.watchdog.save_floor_s)
+            bound = background.bound_s if background is not None and background.busy else save_bound(last_save_s)
             progress.phase("saving", bound)
             last = done == cfg.train.steps or signal is not None  # written at once: nothing trains after it
             started, rss = time.perf_counter(), psutil.Process().memory_info().rss  # a wait for a write counts
@@ -146,8 +151,7 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
                       + ("" if ck.save else " (no checkpoint: checkpoint.save is not set)"), flush=True)
             break
     if background is not None:  # a run that ends without a last save (nothing left to train)
-        background.finish(save_bound_s(checkpoint_bytes(cfg.model, cfg.precision), background.last_write_s,
-                                       cfg.watchdog.save_floor_s), "the end of training")
+        background.finish(background.bound_s, "the end of training")
         records += [dict(r, background=True) for r in background.published]
     progress.phase("finishing")
     if job_dir is not None:  # every rank's peak, for the estimate-vs-measured record

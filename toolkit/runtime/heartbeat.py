@@ -59,11 +59,11 @@ class Heartbeat:
         self.record.update(phase=name, bound_s=bound_s)
         self._write()
 
-    def writing(self, step: int, pid: int | None) -> None:
+    def writing(self, step: int, pid: int | None, bound_s: float) -> None:
         """A background write of the checkpoint of `step` began, in process `pid` (None: this
-        rank has nothing to write); the rank trains on meanwhile, and the watchdog bounds
-        the write by `watchdog.phase_timeout_s` (a stalled writer never stops the steps)."""
-        self.record["writing"] = {"step": step, "pid": pid, "since": time.time()}
+        rank has nothing to write); the rank trains on meanwhile, and the watchdog calls the
+        write stalled after `bound_s` (a stalled writer never stops the steps)."""
+        self.record["writing"] = {"step": step, "pid": pid, "since": time.time(), "bound_s": bound_s}
         self._write()
 
     def written(self) -> None:
@@ -101,7 +101,7 @@ class _NoProgress:
     def phase(self, name: str, bound_s: float | None = None) -> None:
         pass
 
-    def writing(self, step: int, pid: int | None) -> None:
+    def writing(self, step: int, pid: int | None, bound_s: float) -> None:
         pass
 
     def written(self) -> None:

@@ -34,7 +34,8 @@ UPSTREAM_NOISE = (
 
 # gridwright's own lines: a label in the 12-column margin, indented continuations and tables.
 VOCABULARY = (
-    r"^(experiment|model|cluster|layout|batch|layers|saves|job dir|sweep dir|sweep|point|summary|mlflow|checkpoint|resume|deepspeed)"
+    r"^(experiment|model|cluster|layout|batch|layers|saves|predicted|advise|job dir|sweep dir|sweep|point|summary|mlflow|"
+    r"checkpoint|resume|deepspeed)"
     r" +\S",
     r"^FLOPs/token \S",
     r"^placement$",

@@ -19,7 +19,7 @@ from .validation.override_errors import command_line_error, unknown_key_message
 from .basics.atomic_io import unwritable_reason, write_text_atomic
 from .basics.process_exit import skip_final_collection
 from .checkpoints.checkpoint_dir import nothing_to_resume
-from .runtime.jobdir import (PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir,
+from .runtime.jobdir import (ADVICE_FILE, PLAN_FILE, SUMMARY_FILE, JobDirExists, check_job_dir_free, create_job_dir,
                              planned_job_dir, read_json, same_job)
 from .runtime.outcome import EXIT_INVALID, Outcome
 from .planning.plan import Plan
@@ -125,6 +125,8 @@ def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
         print(message, file=sys.stderr)
         return Outcome.invalid([message.removeprefix("error: ")])
     absolute_paths(cfg)
+    if cfg.launcher.name == "advise":
+        return advise(cfg, point)
     try:
         plan = validate(cfg, for_launch=True)
         job_dir = planned_job_dir(cfg, point.job_point if point else None)
@@ -179,6 +181,43 @@ def run(hydra_cfg: DictConfig, point: SweepContext | None = None) -> Outcome:
         print(f"wrote {path}; submit it with: sbatch {shlex.quote(str(path))}")
         return Outcome("planned", job_dir=job_dir)
     return run_locally(cfg, job_dir)
+
+
+def advise(cfg, point: SweepContext | None = None) -> Outcome:
+    """`launcher=advise`: every valid layout of the composed model, cluster and batch, ranked
+    by predicted speed; the best `launcher.top` printed, saved as advise.json and logged to
+    MLflow. The composed layout itself need not be valid: it is what is being chosen."""
+    from .planning.step_time import NoCalibration
+    from .validation.layout_advice import advice_lines, advice_record, rank_layouts
+
+    try:
+        if cfg.launcher.top < 1:
+            raise ConfigError([f"launcher.top={cfg.launcher.top} must be at least 1. Fix: launcher.top=10."])
+        job_dir = planned_job_dir(cfg, point.job_point if point else None)
+        check_job_dir_free(job_dir)
+        problem = unwritable_reason(job_dir)
+        if problem:
+            raise ConfigError([f"cannot create the job directory {job_dir}: {problem}. Fix: set job_root or job_dir."])
+        advice = rank_layouts(cfg, top=int(cfg.launcher.top))
+    except NoCalibration as e:
+        print(f"error: {e}", file=sys.stderr)
+        return Outcome.invalid([str(e)])
+    except (ConfigError, JobDirExists) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return Outcome.invalid(getattr(e, "problems", None) or [e])
+    record = advice_record(cfg, advice)
+    job_dir.mkdir(parents=True)
+    write_text_atomic(job_dir / ADVICE_FILE, json.dumps(record, indent=1))
+    print("\n".join(advice_lines(record)))
+    print(f"wrote {job_dir / ADVICE_FILE}")
+    if cfg.tracking.enabled:
+        from .tracking import mlflow_runs as tracking
+
+        try:
+            print("\n".join(tracking.log_advice(cfg.tracking, job_dir, record)), flush=True)
+        except Exception as e:  # noqa: BLE001 - the advice is in advise.json whatever the store does
+            print(tracking.tracking_failure_line("logging the advice", tracking.one_line(e), job_dir))
+    return Outcome("planned", job_dir=job_dir)
 
 
 def emitted_script_problem(cfg, job_dir) -> str | None:

@@ -29,6 +29,7 @@ class Launcher(StrEnum):
     torchrun = "torchrun"
     slurm = "slurm"
     plan = "plan"
+    advise = "advise"  # rank every valid layout by predicted speed (gridwright.validation.layout_advice)
 
 
 class GpuRequest(StrEnum):
@@ -356,6 +357,8 @@ class LauncherConfig:
     # Local launcher: restarts of the whole worker group (torchrun's elastic restart) after
     # a worker is lost; each resumes from the newest checkpoint in checkpoint.save.
     max_restarts: int = 0
+    # launcher=advise: how many of the best layouts are printed, saved and logged
+    top: int = 10
     # Slurm (each None or empty: not asked for)
     partition: Optional[str] = None
     account: Optional[str] = None

@@ -89,6 +89,18 @@ def _attention_score_flops(model, seq_length: int) -> int:
     return 2 * 2 * model.num_layers * seq_length * attn_width
 
 
+def forward_flops_parts(model, seq_length: int, params: ParamCounts | None = None) -> dict[str, float]:
+    """Forward FLOPs per token by the kernel class a GPU runs them in, as it runs them (a
+    causal attention kernel skips half the scores; the router is not a GEMM worth counting):
+    one layer's GEMMs, one layer's attention, and the logit layer's GEMM."""
+    pc = params or param_counts(model)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    mlp = model.moe_router_topk * 3 * h * f if model.num_experts else pc.dense_mlp_per_layer
+    return {"layer_matmul": 2.0 * (pc.attention_per_layer + mlp),
+            "layer_attention": _attention_score_flops(model, seq_length) / model.num_layers / 2,
+            "output": 2.0 * h * model.vocab_size}
+
+
 def forward_flops_per_token(model, seq_length: int, definition: str = DEFAULT_DEFINITION,
                             params: ParamCounts | None = None) -> float:
     """`params`: the model's parameter counts where the caller has them (a plan does)."""

@@ -15,6 +15,7 @@ from .layout import ParallelLayout
 from .memory_estimate import MemoryEstimate, estimate_memory
 from .model_math import ParamCounts, flops_record, param_counts
 from .placement import Placement
+from .step_time import NoCalibration, load_calibration, predict_step, speeds_for
 
 PLAN_FORMAT = "gridwright-plan/1"
 
@@ -36,6 +37,7 @@ class Plan:
     zero_settings: dict | None  # what DeepSpeed runs with; None where the engine reads none
     comm_profile: str | None
     predicted_communication: dict | None  # by group kind; None without a profile
+    predicted_step: dict | None = None  # step_time's prediction on a calibrated card; else None
 
     def record(self) -> dict:
         """`plan.json`: the numbers a plan predicts, written into every job directory."""
@@ -54,6 +56,7 @@ class Plan:
             "predicted_communication": self.predicted_communication,
             "zero_settings": self.zero_settings,
             **({"comm_profile": self.comm_profile} if self.predicted_communication is not None else {}),
+            "predicted_step": self.predicted_step,
         }
 
     def lines(self) -> list[str]:
@@ -74,7 +77,21 @@ def derive_plan(cfg, layout: ParallelLayout, placement: Placement, engine) -> Pl
         flops=flops_record(cfg, params),
         memory=estimate_memory(cfg, layout, engine, params) if cfg.cluster.device == "cuda" else None,
         zero_settings=engine.zero_settings(cfg.zero, cfg.cluster), comm_profile=cfg.cluster.comm_profile,
-        predicted_communication=predict_communication(cfg, layout, engine, params))
+        predicted_communication=predict_communication(cfg, layout, engine, params),
+        predicted_step=predict_speed(cfg, layout, engine, params))
+
+
+def predict_speed(cfg, layout: ParallelLayout, engine, params: ParamCounts | None = None) -> dict | None:
+    """The step-time model's prediction (`step_time.predict_step`'s record and the card it
+    was calibrated on), for a GPU cluster whose card is calibrated and an engine whose
+    communication is modelled; else None."""
+    if cfg.cluster.device != "cuda" or not engine.CAPABILITIES.models_communication:
+        return None
+    try:
+        speeds = speeds_for(str(cfg.cluster.gpu.name), load_calibration())
+    except NoCalibration:
+        return None
+    return predict_step(cfg, layout, speeds, params).record() | {"card": speeds.card}
 
 
 def predict_communication(cfg, layout: ParallelLayout, engine, params: ParamCounts | None = None) -> dict | None:
@@ -111,6 +128,11 @@ def plan_lines(doc: dict) -> list[str]:
             parts.append(f"{group} {rec['bytes'] / 1e6:,.0f} MB" + (f" {secs * 1e3:,.1f} ms" if secs is not None else ""))
         lines.append("comm/step   " + ("; ".join(parts) if parts else "none (every group has one rank)")
                      + f"   (alpha-beta profile {doc['comm_profile']})")
+    step = doc.get("predicted_step")
+    if step:
+        lines.append(f"predicted   step {step['step_s']:.3f} s, {step['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU "
+                     f"{step['mfu'] * 100:.1f} % ({step['card']} calibration; each part in plan.json; "
+                     "launcher=advise ranks every layout)")
     return lines
 
 

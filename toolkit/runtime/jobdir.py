@@ -42,6 +42,7 @@ JOB_FILE = "job.json"  # the job's stable id and creation time
 RUN_TAGS_KEY, RUN_NAME_SUFFIX_KEY = "mlflow_run_tags", "mlflow_run_name_suffix"
 FAILURE_FILE = "failure.json"  # why the logging rank's training failed (the agent tags the run with it)
 PLAN_FILE = "plan.json"  # FLOPs per token, peak, parameters, memory estimate (written at planning)
+ADVICE_FILE = "advise.json"  # launcher=advise: the ranked layouts (gridwright.validation.layout_advice)
 SWEEP_FILE = "sweep.json"
 SWEEPS_DIR = "sweeps"
 LOGS_DIR = "logs"  # every rank's console and each node agent's own output (see the module's docstring)

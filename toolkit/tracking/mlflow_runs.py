@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..runtime.jobdir import (CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR,
+from ..runtime.jobdir import (ADVICE_FILE, CONFIG_FILE, METRICS_FILE, PLACEMENT_CSV, PLACEMENT_JSON, PLAN_FILE, RANKS_DIR,
                               RUN_NAME_SUFFIX_KEY, RUN_TAGS_KEY, SUMMARY_FILE, job_record, load_job_config, read_json,
                               read_metrics)
 from ..planning.layout import ParallelLayout
@@ -580,3 +580,40 @@ def see_it(uri: str) -> str:
     port = runs_view.LOCAL_UI.rsplit(":", 1)[1]
     return (f"            see it: mlflow ui --backend-store-uri {uri} (port {port}, its default, "
             "which the links below assume)")
+
+
+# Layout advice ---------------------------------------------------------------
+def log_advice(tracking, job_dir: Path, record: dict) -> list[str]:
+    """`launcher=advise`'s ranking as one parent run (the search: model, cluster, counts,
+    advise.json) with a nested run per top layout (its overrides as params, its predicted
+    speed, memory and parts as metrics), compared side by side like a sweep's points.
+    Returns the lines that lead to them."""
+    from mlflow.entities import Metric
+
+    uri = tracking_uri(tracking)
+    client = client_for(uri)
+    exp_id = experiment_id(client, tracking.experiment, uri)
+    stamp = int(time.time() * 1000)
+    name = unique_run_name(client, exp_id, f"advise-{record['model']}-{record['gpus']}x{record['card']}")
+    parent = client.create_run(exp_id, start_time=stamp, run_name=name, tags={
+        STATUS_TAG: "planned", "gridwright.kind": "advice", "gridwright.job_dir": str(job_dir),
+        "mlflow.source.git.commit": git_commit()}).info.run_id
+    _log_params(client, parent, {k: str(record[k]) for k in ("model", "cluster", "gpus", "card", "global_batch_size",
+                                                            "seq_length", "precision", "flops_definition")}
+                | {f"layouts.{k}": str(v) for k, v in record["counted"].items()})
+    client.log_artifact(parent, str(job_dir / ADVICE_FILE))
+    for top in record["top"]:
+        child = client.create_run(exp_id, start_time=stamp, run_name=f"#{top['rank']} {top['layout']}", tags={
+            PARENT_TAG: parent, STATUS_TAG: "planned", "gridwright.layout": top["layout"],
+            "gridwright.advice_rank": str(top["rank"])}).info.run_id
+        _log_params(client, child, {k: str(v).lower() if isinstance(v, bool) else str(v)
+                                    for k, v in top["overrides"].items()})
+        metrics = {"predicted_tokens_per_s_per_gpu": top["tokens_per_s_per_gpu"], "predicted_mfu": top["mfu"],
+                   "predicted_step_time_s": top["step_s"], "memory_estimate_gib": top["memory_gib"],
+                   "predicted_host_s": top["host_s"],
+                   **{f"predicted_{part.replace(' ', '_')}_s": s for part, s in top["parts"].items()}}
+        _log_metrics(client, child, [Metric(k, float(v), stamp, 0) for k, v in metrics.items()])
+        client.set_terminated(child, status="FINISHED", end_time=stamp)
+    runs_view.publish(client, exp_id, runs_view.sweep_view_key(parent), runs_view.sweep_view_state(parent))
+    client.set_terminated(parent, status="FINISHED", end_time=stamp)
+    return sweep_links(uri, parent)

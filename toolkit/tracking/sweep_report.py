@@ -83,6 +83,7 @@ def point_row(sweep_dir: Path, record, point: dict) -> dict:
     varied = set(swept_keys(record.overrides))
     mfu, mfu_palm = mfu_both(summary, plan)
     estimate = _num(summary.get("memory_estimate_gib"))
+    predicted = plan.get("predicted_step") if isinstance(plan.get("predicted_step"), dict) else {}
     return {
         "num": point["num"],
         "label": point_label(point),
@@ -94,6 +95,9 @@ def point_row(sweep_dir: Path, record, point: dict) -> dict:
         "mfu": mfu,
         "mfu_palm": mfu_palm,
         "step_time_ms": _ms(summary.get("mean_step_time_s")),
+        "predicted_tokens_per_s_per_gpu": _num(predicted.get("tokens_per_s_per_gpu")),
+        "predicted_mfu": _num(predicted.get("mfu")),
+        "predicted_step_time_ms": _ms(predicted.get("step_s")),
         "memory_peak_gib": _num(summary.get("memory_peak_gib")),
         "memory_estimate_gib": estimate if estimate is not None else _num(plan.get("memory_estimate_gib")),
         "compute_ms": _ms(comm.get("compute_s")),
@@ -127,15 +131,19 @@ class SweepReport:
 
     def terminal_lines(self) -> list[str]:
         """The end-of-sweep table: one line per point, the numbers of the comparison."""
+        predicted = any(r["predicted_tokens_per_s_per_gpu"] is not None for r in self.rows)
         head = (f"  {'#':>2}  {'point':<34} {'status':<9} {'tok/s/GPU':>10} {'MFU %':>6} {'step ms':>8} "
-                f"{'exposed ms':>10} {'peak GiB':>8} {'loss':>7}")
+                f"{'exposed ms':>10} {'peak GiB':>8} {'loss':>7}"
+                + (f" {'predicted tok/s/GPU':>19} {'MFU %':>6} {'est. GiB':>8}" if predicted else ""))
         lines = [head]
         for r in self.rows:
             lines.append(
                 f"  {r['num']:>2}  {(r['name'] or r['label'])[:34]:<34} {r['status']:<9} "
                 f"{_fmt(r['tokens_per_s_per_gpu'], ',.0f'):>10} {_fmt(r['mfu'], '.1f', 100):>6} "
                 f"{_fmt(r['step_time_ms'], '.1f'):>8} {_fmt(r['exposed_comm_ms'], '.1f'):>10} "
-                f"{_fmt(r['memory_peak_gib'], '.2f'):>8} {_fmt(r['final_loss'], '.4f'):>7}")
+                f"{_fmt(r['memory_peak_gib'], '.2f'):>8} {_fmt(r['final_loss'], '.4f'):>7}"
+                + (f" {_fmt(r['predicted_tokens_per_s_per_gpu'], ',.0f'):>19} {_fmt(r['predicted_mfu'], '.1f', 100):>6}"
+                   f" {_fmt(r['memory_estimate_gib'], '.1f'):>8}" if predicted else ""))
             if r["error"]:
                 lines.append(f"      {r['error'][:150]}")
         return lines
@@ -178,6 +186,9 @@ def comparison_markdown(record, rows: list[dict], notes: list[str]) -> str:
              ("layout", lambda r: r["layout"])]
     measured = [
         ("tokens/s/GPU", lambda r: _fmt(r["tokens_per_s_per_gpu"], ",.0f")),
+        ("predicted tokens/s/GPU", lambda r: _fmt(r["predicted_tokens_per_s_per_gpu"], ",.0f")),
+        ("predicted MFU", lambda r: _fmt(r["predicted_mfu"], ".1f", 100, " %")),
+        ("predicted step (ms)", lambda r: _fmt(r["predicted_step_time_ms"], ".1f")),
         ("MFU (megatron)", lambda r: _fmt(r["mfu"], ".1f", 100, " %")),
         ("MFU (palm)", lambda r: _fmt(r["mfu_palm"], ".1f", 100, " %")),
         ("step time (ms)", lambda r: _fmt(r["step_time_ms"], ".1f")),
@@ -204,13 +215,15 @@ def comparison_markdown(record, rows: list[dict], notes: list[str]) -> str:
     lines += ["", "tokens/s/GPU and step time: means over the steps after the first. MFU: model FLOP/s per GPU "
               "over the GPU's dense peak; megatron counts causal attention at half, palm in full. "
               "compute, exposed communication per parallel group and idle (pipeline bubble included) "
-              "split the mean step. Empty: not measured (plan-only or invalid point, unknown peak, no profile)."]
+              "split the mean step. Predicted: gridwright.planning.step_time on a calibrated card. "
+              "Empty: not measured (plan-only or invalid point, unknown peak, no profile)."]
     return "\n".join(lines) + "\n"
 
 
 def comparison_csv(rows: list[dict]) -> str:
     groups = groups_of(rows)
     cols = ["num", "name", "point", "status", "layout", "tokens_per_s_per_gpu", "mfu", "mfu_palm", "step_time_ms",
+            "predicted_tokens_per_s_per_gpu", "predicted_mfu", "predicted_step_time_ms",
             "memory_peak_gib", "memory_estimate_gib", "compute_ms", "exposed_comm_ms",
             *[f"exposed_{g}_ms" for g in groups], "idle_ms", "final_loss", "error"]
     out = io.StringIO()

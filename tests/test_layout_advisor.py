@@ -1,0 +1,124 @@
+"""The layout advisor: the step-time model's arithmetic, its error on the GPU rows it was not
+fitted on, and `launcher=advise` as a user runs it (ranked layouts, advise.json, MLflow)."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import mlflow
+import pytest
+from conftest import REPO
+
+from gridwright.planning.layout import ParallelLayout
+from gridwright.planning.model_math import forward_flops_parts, param_counts
+from gridwright.planning.step_time import CardSpeeds, load_calibration, predict_step, speeds_for
+
+SPEEDS = CardSpeeds(card="H100", matmul_tflops={"bf16": 500.0}, attention_tflops=250.0,
+                    other_s_per_unit={"bf16": 1e-10, "bf16_eager": 2e-10}, memory_tbps=3.0, host_s_per_kernel=5e-6,
+                    kernels_per_layer=50.0, nvlink={c: {"alpha_s": 20e-6, "beta_s_per_byte": 1 / 300e9}
+                                                    for c in ("all_reduce", "all_gather", "reduce_scatter",
+                                                              "all_to_all", "send_recv")})
+GPU8 = ["model=llama3_8b", "cluster=dgx_h100", "precision=bf16", "zero=stage1", "train.seq_length=4096",
+        "train.micro_batch_size=1", "train.global_batch_size=64", "engine.compile_layers=true"]
+
+
+def test_each_part_is_its_rate_times_its_work(compose):
+    cfg = compose(*GPU8, "cluster.nodes=1", "parallel.tp=1", "parallel.pp=4", "parallel.vpp=2")
+    layout = ParallelLayout.from_config(cfg)
+    p = predict_step(cfg, layout, SPEEDS)
+    m, micro = cfg.model, 64 // (1 * layout.dp)  # 32 micro-batches per step at DP=2
+    tokens = micro * 4096
+    parts = forward_flops_parts(m, 4096, param_counts(m))
+    layers = m.num_layers / 4
+    assert p.parts["matmul"] == pytest.approx(tokens * 3 * (layers * parts["layer_matmul"] + parts["output"]) / 500e12)
+    assert p.parts["attention"] == pytest.approx(tokens * 3 * layers * parts["layer_attention"] / 250e12)
+    assert p.parts["other"] == pytest.approx(tokens * m.hidden_size * layers * 1e-10)
+    compute = p.parts["matmul"] + p.parts["attention"] + p.parts["other"]
+    # interleaved 1F1B: (PP - 1) / VPP micro-batch times
+    assert p.parts["bubble"] == pytest.approx(3 / 2 * compute / micro)
+    assert p.step_s == pytest.approx(sum(p.parts.values())) and p.host_s < p.step_s and not p.host_bound
+    assert p.tokens_per_s_per_gpu == pytest.approx(64 * 4096 / 8 / p.step_s)
+
+
+def test_overlap_hides_dp_behind_the_last_backward_and_a_group_across_nodes_is_slower(compose):
+    plain = compose(*GPU8, "cluster.nodes=1", "parallel.tp=1")
+    lay = ParallelLayout.from_config(plain)
+    bare = predict_step(plain, lay, SPEEDS)
+    hidden = predict_step(compose(*GPU8, "cluster.nodes=1", "parallel.tp=1", "engine.overlap_grad_reduce=true"),
+                          lay, SPEEDS)
+    dp = bare.communication["dp"]["seconds"]
+    assert bare.parts["exposed dp"] == pytest.approx(dp) and dp > 0
+    compute = bare.parts["matmul"] + bare.parts["attention"] + bare.parts["other"]
+    assert hidden.parts["exposed dp"] == pytest.approx(max(0.0, dp - compute / 8 * 2 / 3))
+    # TP=16 over two DGX nodes leaves the NVLink domain: inter-node bandwidth (50 GB/s a GPU)
+    inside = predict_step(*(lambda c: (c, ParallelLayout.from_config(c)))(
+        compose(*GPU8, "cluster.nodes=2", "parallel.tp=8", "parallel.sp=true")), SPEEDS)
+    across = predict_step(*(lambda c: (c, ParallelLayout.from_config(c)))(
+        compose(*GPU8, "cluster.nodes=2", "parallel.tp=8", "parallel.sp=true", "parallel.order=tp-cp-ep-pp-dp",
+                "parallel.pp=2")), SPEEDS)
+    assert inside.communication["tp"]["seconds"] > 0 and "pp" in across.communication
+
+
+def test_the_calibration_reproduces_its_own_row_and_names_its_files():
+    from gridwright.evaluations.validate_advisor import CALIBRATION, compose_case
+
+    h200 = speeds_for("NVIDIA H200", load_calibration())
+    assert all(f in " ".join(h200.fitted_from) for f, _, _ in CALIBRATION)
+    cfg = compose_case("llama3_8b_16l_1gpu_mb2")
+    p = predict_step(cfg, ParallelLayout.from_config(cfg), h200)
+    assert p.step_s == pytest.approx(1.529, rel=0.02)  # the row's measured step (1 x H200)
+    with pytest.raises(LookupError, match="no calibrated speeds for the card 'B200'"):
+        speeds_for("B200", load_calibration())
+
+
+def test_held_out_gpu_rows_are_predicted_within_the_goal():
+    from gridwright.evaluations.validate_advisor import (calibration_cases, pair_order, predicted_rows,
+                                                         test_rows)
+
+    rows, skipped = test_rows()
+    names = {(r["call"], r["name"]) for r in rows}
+    assert not names & calibration_cases() and len(rows) >= 15
+    predicted = predicted_rows(rows, load_calibration())
+    assert statistics.median(abs(r["error"]) for r in predicted) <= 0.15
+    right, pairs = pair_order(predicted)
+    assert pairs >= 30 and right / pairs >= 0.75  # the goal is 85 %: docs/planning.md says where it falls short
+    assert any("deepspeed engine" in s["why"] for s in skipped)
+
+
+def test_advise_ranks_valid_layouts_writes_them_and_logs_them(tmp_path):
+    from gridwright.config.compose import compose_config
+    from gridwright.validation.validate import validate
+
+    db = tmp_path / "mlflow.db"
+    r = subprocess.run([sys.executable, str(REPO / "launch.py"), "+experiment=llama3_70b", "cluster.nodes=128",
+                        "launcher=advise", "launcher.top=3", f"job_root={tmp_path / 'jobs'}",
+                        f"tracking.uri=sqlite:///{db}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    record = json.loads(next((tmp_path / "jobs").rglob("advise.json")).read_text())
+    assert record["gpus"] == 1024 and record["counted"]["fit"] > 100 and record["seconds"] < 10
+    speeds = [t["tokens_per_s_per_gpu"] for t in record["top"]]
+    assert len(speeds) == 3 and speeds == sorted(speeds, reverse=True)
+    assert all(t["memory_gib"] <= 79.6 and t["problem"] is None for t in record["top"])
+    run_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("run #1:"))
+    words = run_line.split(": ", 1)[1].split()
+    validate(compose_config(["+experiment=llama3_70b", "cluster.nodes=128", "launcher=plan", *words]))
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("gridwright").experiment_id])
+    parents = [x for x in runs if x.data.tags.get("gridwright.kind") == "advice"]
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(parents) == 1 and len(children) == 3
+    assert sorted(c.data.metrics["predicted_tokens_per_s_per_gpu"] for c in children) == sorted(speeds)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["launcher=advise"], "no calibrated speeds for the card 'cpu'"),
+    (["cluster=dgx_h100", "launcher=advise", "launcher.top=0"], "launcher.top=0 must be at least 1. Fix: launcher.top=10."),
+])
+def test_advise_refuses_what_it_cannot_rank_in_one_line(tmp_path, args, says):
+    r = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_root={tmp_path / 'jobs'}",
+                        *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    # one problem, in the launcher's one form for a refused experiment
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    assert not (tmp_path / "jobs").exists()

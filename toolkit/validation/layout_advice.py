@@ -1,0 +1,216 @@
+"""Every valid layout of a model on a cluster, ranked by predicted speed: `launcher=advise`.
+
+The composed experiment fixes the model, the cluster, the global batch, the sequence and
+the precision; the advisor varies what a layout is: TP (with SP), PP, VPP, CP, EP and
+expert-TP, the ZeRO stage (the distributed optimizer or not), the micro-batch and
+recompute, with the speed options a layout can use (compiled layers, overlapped gradient
+reduce where DP > 1, TP communication overlap where TP > 1). Each candidate passes the same
+layout rules `validate` applies (`layout_rules.layout_passes`) and fits the card by the
+memory estimate, then is ranked by the step-time model (`planning.step_time`).
+
+Why not `validate()` per candidate: it composes and checks a whole config (engine, data,
+paths) in milliseconds, and a 1,024-GPU search has thousands of candidates; the rules that
+depend on the layout are the ones run here, on a plain copy of the config. The top layout
+is then validated as a whole (`advise_lines` prints its Fix if it had one). Torch-free.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ..engine_rules.registry import rules
+from ..planning.layout import ParallelLayout
+from ..planning.memory_estimate import estimate_memory
+from ..planning.model_math import param_counts
+from ..planning.step_time import StepPrediction, load_calibration, predict_step, speeds_for
+from .fix_advice import divisors
+from .layout_rules import layout_passes
+
+RECOMPUTE = ("none", "selective", "full")
+MICRO_BATCHES = (1, 2, 4, 8)
+MEMORY_HEADROOM = 0.95  # of the card's memory: allocator fragmentation
+
+
+class Plain(dict):
+    """A config node as a plain dict read by attribute, as the planning functions read a
+    DictConfig (OmegaConf's attribute access costs tens of microseconds a key)."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @classmethod
+    def of(cls, node):
+        if isinstance(node, dict):
+            return cls({k: cls.of(v) for k, v in node.items()})
+        if isinstance(node, list):
+            return [cls.of(v) for v in node]
+        return node
+
+    def with_(self, **groups) -> "Plain":
+        """A copy with the keys of each named group replaced."""
+        out = Plain(self)
+        for group, keys in groups.items():
+            out[group] = Plain({**self[group], **keys})
+        return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: dict  # the layout's keys, as command-line overrides
+    layout: ParallelLayout
+    memory_gib: float
+    prediction: StepPrediction
+
+    def words(self) -> str:
+        return " ".join(f"{k}={_word(v)}" for k, v in self.overrides.items())
+
+
+def _word(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def layouts(cfg: Plain):
+    """(overrides, layout) for every layout of the grid worth trying: degrees that divide
+    the world, the layers and the experts; the rules then say which are valid."""
+    c, m = cfg.cluster, cfg.model
+    world = int(c.nodes) * int(c.gpus_per_node)
+    domain = min(int(c.nvlink_domain_size), world)
+    experts = int(m.num_experts or 0)
+    for tp in _powers_of_two(min(domain, 8)):
+        for pp in divisors(int(m.num_layers)):
+            if world % (tp * pp) or pp > 64:
+                continue
+            chunks = int(m.num_layers) // pp
+            vpps = [None] + ([v for v in divisors(chunks) if 1 < v <= 8] if pp > 1 else [])
+            for cp in _powers_of_two(16):
+                if world % (tp * pp * cp):
+                    continue
+                for ep in ([e for e in divisors(experts) if world % (pp * e) == 0] if experts else [1]):
+                    for etp in ({1, tp} if experts else {tp}):
+                        for vpp in vpps:
+                            layout = ParallelLayout(world_size=world, gpus_per_node=int(c.gpus_per_node),
+                                                    nvlink_domain_size=int(c.nvlink_domain_size), tp=tp, pp=pp,
+                                                    cp=cp, ep=ep, etp=etp, vpp=vpp, sp=tp > 1,
+                                                    order=str(cfg.parallel.order))
+                            yield {"parallel.tp": tp, "parallel.pp": pp, "parallel.vpp": vpp, "parallel.cp": cp,
+                                   "parallel.ep": ep, "parallel.etp": etp if experts else None,
+                                   "parallel.sp": tp > 1}, layout
+
+
+def rank_layouts(cfg, top: int = 10) -> dict:
+    """Every valid layout of `cfg` that fits, ranked by predicted tokens/s per GPU.
+
+    Returns {"candidates": [Candidate, ...] (the `top` best), "counted": {...}, "seconds"}."""
+    from omegaconf import OmegaConf
+
+    started = time.perf_counter()
+    base = Plain.of(OmegaConf.to_container(cfg, resolve=True))
+    speeds = speeds_for(str(base.cluster.gpu.name), load_calibration())
+    engine = rules(base.engine)
+    params = param_counts(base.model)
+    cap = float(base.cluster.gpu.memory_gib) * MEMORY_HEADROOM
+    counted = {"layouts": 0, "valid": 0, "fit": 0}
+    ranked: list[Candidate] = []
+    gbs = int(base.train.global_batch_size)
+    for overrides, layout in layouts(base):
+        for mbs in MICRO_BATCHES:
+            if gbs % (mbs * layout.dp):
+                continue
+            train = {"micro_batch_size": mbs}
+            trial_train = Plain({**base.train, **train})
+            counted["layouts"] += 1
+            if not layout_passes(base.model, trial_train, layout):
+                continue
+            counted["valid"] += 1
+            for stage in (0, 1):
+                for recompute in RECOMPUTE:
+                    engine_keys = {"compile_layers": True, "overlap_grad_reduce": layout.dp > 1,
+                                   "tp_comm_overlap": layout.tp > 1}
+                    trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
+                                       train={**train, "recompute": recompute},
+                                       zero={"stage": stage}, engine=engine_keys)
+                    memory = estimate_memory(trial, layout, engine, params).total_gib
+                    if cap and memory > cap:
+                        continue
+                    counted["fit"] += 1
+                    prediction = predict_step(trial, layout, speeds, params)
+                    keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
+                            "zero": f"stage{stage}", **{f"engine.{k}": v for k, v in engine_keys.items()}}
+                    ranked.append(Candidate(keys, layout, memory, prediction))
+    # Equal speeds (to 0.1 %): the simpler layout first (fewer split dimensions), then the
+    # one with more memory left
+    ranked.sort(key=lambda c: (-round(math.log(c.prediction.tokens_per_s_per_gpu) / math.log(1.001)), c.layout.cp,
+                               c.layout.pp, c.layout.vpp or 1, c.layout.tp, c.layout.ep, c.memory_gib))
+    best = ranked[:top]
+    return {"candidates": best, "problems": [whole_config_problem(cfg, c) for c in best], "counted": counted,
+            "seconds": time.perf_counter() - started, "card": speeds.card}
+
+
+def whole_config_problem(cfg, candidate: Candidate) -> str | None:
+    """The first problem `validate` finds in `cfg` at the candidate's layout (every rule, not
+    only the layout's), or None: the line `launcher=advise` offers to run must itself pass."""
+    from .fix_advice import tried_with
+    from .validate import ConfigError, validate
+
+    keys = {("zero.stage" if k == "zero" else k): (int(v[5:]) if k == "zero" else v)
+            for k, v in candidate.overrides.items()}
+    with tried_with(cfg, keys) as tried:
+        try:
+            validate(tried, for_launch=False)
+        except ConfigError as e:
+            return e.problems[0]
+    return None
+
+
+def advice_record(cfg, advice: dict) -> dict:
+    """advise.json: what was searched, and each top layout with its prediction's parts."""
+    return {"format": "gridwright-advice/1", "model": cfg.model.name, "cluster": cfg.cluster.name,
+            "gpus": int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node), "card": advice["card"],
+            "global_batch_size": int(cfg.train.global_batch_size), "seq_length": int(cfg.train.seq_length),
+            "precision": cfg.precision.name, "flops_definition": cfg.evaluate.flops_definition,
+            "counted": advice["counted"], "seconds": round(advice["seconds"], 3),
+            "top": [{"rank": i + 1, "overrides": c.overrides, "layout": c.layout.slug(), "memory_gib": c.memory_gib,
+                     "problem": problem, **c.prediction.record()}
+                    for i, (c, problem) in enumerate(zip(advice["candidates"], advice["problems"]))]}
+
+
+def advice_lines(record: dict) -> list[str]:
+    """The table `launcher=advise` prints, one layout a line, then each one's parts."""
+    n = record["counted"]
+    lines = [f"advise      {record['model']} on {record['gpus']} x {record['card']} ({record['cluster']}), global batch "
+             f"{record['global_batch_size']} x {record['seq_length']}, {record['precision']}: "
+             f"{n['layouts']} layouts, {n['valid']} valid, {n['fit']} fit with their ZeRO and recompute choices "
+             f"({record['seconds']:.1f} s)"]
+    if not record["top"]:
+        lines.append("            no layout fits: a bigger cluster or a smaller model")
+        return lines
+    lines.append(f"            {'#':>2} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  layout")
+    for top in record["top"]:
+        o = top["overrides"]
+        extra = f"mb{o['train.micro_batch_size']} {o['zero']} recompute={o['train.recompute']}"
+        lines.append(f"            {top['rank']:>2} {top['tokens_per_s_per_gpu']:>10,.0f} {top['mfu'] * 100:>5.1f}% "
+                     f"{top['step_s']:>8.3f} {top['memory_gib']:>6.1f}  {top['layout']} {extra}")
+    for top in record["top"]:
+        parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in top["parts"].items() if v > 0.0005)
+        host = f"; host-bound: launching its kernels takes {top['host_s'] * 1e3:.0f}" if top["host_bound"] else ""
+        lines.append(f"            #{top['rank']} ms: {parts}{host}"
+                     + (f"; refused by validation: {top['problem']}" if top["problem"] else ""))
+    lines.append(f"            MFU: model FLOPs ({record['flops_definition']}) / the card's peak; "
+                 "parts: gridwright.planning.step_time")
+    valid = [top for top in record["top"] if not top["problem"]]
+    if valid:
+        lines.append(f"            run #{valid[0]['rank']}: "
+                     + " ".join(f"{k}={_word(v)}" for k, v in valid[0]["overrides"].items()))
+    return lines

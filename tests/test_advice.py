@@ -47,6 +47,9 @@ REFUSALS = {
     "ffn_vs_tp": (["parallel.tp=2", "model.ffn_hidden_size=175"], ["parallel.tp=1"], 1),
     "layers_vs_pp": (["parallel.pp=2", "model.num_layers=3"], ["parallel.pp=1"], 1),
     "layers_vs_vpp": (["parallel.pp=2", "parallel.vpp=3"], ["parallel.vpp=2"], 1),
+    # interleaved 1F1B runs its micro-batches in groups of PP: 3 micro-batches on PP=2 stall
+    "micro_batches_vs_vpp": (["parallel.pp=2", "parallel.vpp=2", "train.micro_batch_size=1",
+                              "train.global_batch_size=3"], ["train.global_batch_size=4"], 1),
     "experts_vs_ep": (GPU8 + ["model=mixtral_8x7b", "model.num_layers=4", "parallel.ep=8", "model.num_experts=12",
                               "launcher=plan"], ["parallel.ep=4"], 1),
     "ep_without_experts": (["parallel.ep=2"], ["parallel.ep=1"], 1),

@@ -12,7 +12,7 @@ One rank of the slowest pipeline stage (the last: it adds the logit layer) runs,
   `predict_step_communication`) on the link its group uses (NVLink inside the NVLink
   domain, the cluster's `inter_node_gbps` across it), minus what the layout hides:
   DP's gradient reduce (with `engine.overlap_grad_reduce`) behind the last micro-batch's
-  backward, CP's ring exchange behind attention, TP's behind the GEMMs (with
+  backward, CP's ring exchange behind attention (the share measured), TP's behind the GEMMs (with
   `engine.tp_comm_overlap`); EP and PP traffic, and the rest, is exposed;
 * the pipeline bubble: (PP - 1) / VPP micro-batch times (1F1B, interleaved with VPP);
 * host time: kernels launched per step x seconds per launch; the step is host-bound when
@@ -59,6 +59,7 @@ class CardSpeeds:
     host_s_per_kernel: float
     kernels_per_layer: float  # per micro-batch, forward and backward
     nvlink: dict  # collective -> {"alpha_s", "beta_s_per_byte"}: a group inside the NVLink domain
+    cp_ring_hidden: float = 1.0  # the share of CP's ring exchange attention hides (measured)
     fitted_from: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
@@ -177,7 +178,7 @@ def predict_step(cfg, layout: ParallelLayout, speeds: CardSpeeds, params: ParamC
         if group in ("dp", "edp") and cfg.engine.overlap_grad_reduce:
             shown = max(0.0, seconds - backward_last)
         elif group == "cp" and str(cfg.parallel.cp_comm_type) != "a2a":
-            shown = max(0.0, seconds - attention_s)
+            shown = seconds - min(seconds * speeds.cp_ring_hidden, attention_s)
         elif group == "tp" and cfg.engine.tp_comm_overlap:
             shown = max(0.0, seconds - matmul_s)
         else:

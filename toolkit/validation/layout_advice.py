@@ -191,7 +191,7 @@ def advice_lines(record: dict) -> list[str]:
     n = record["counted"]
     lines = [f"advise      {record['model']} on {record['gpus']} x {record['card']} ({record['cluster']}), global batch "
              f"{record['global_batch_size']} x {record['seq_length']}, {record['precision']}: "
-             f"{n['layouts']} layouts, {n['valid']} valid, {n['fit']} fit with their ZeRO and recompute choices "
+             f"{n['layouts']} layouts, {n['valid']} valid; {n['fit']} configurations of them (ZeRO, recompute) fit "
              f"({record['seconds']:.1f} s)"]
     if not record["top"]:
         lines.append("            no layout fits: a bigger cluster or a smaller model")

@@ -222,6 +222,16 @@ def check_batch(train, layout: ParallelLayout) -> list[str]:
             f"micro_batch_size={train.micro_batch_size} x DP={layout.dp} = {unit} does not divide it. "
             f"Fix: train.global_batch_size={-(-train.global_batch_size // unit) * unit} (a multiple of {unit})."
         ]
+    micro = train.global_batch_size // unit
+    if layout.vpp and layout.pp > 1 and micro % layout.pp:
+        # Megatron-Core's interleaved schedule runs micro-batches in groups of PP per virtual
+        # stage (microbatch_group_size_per_vp_stage) and refuses a remainder: it would stall.
+        whole = unit * layout.pp
+        return [
+            f"train.global_batch_size={train.global_batch_size} gives {micro} micro-batch(es) per step, and the "
+            f"interleaved schedule (parallel.vpp={layout.vpp}) needs a multiple of PP={layout.pp}. "
+            f"Fix: train.global_batch_size={-(-train.global_batch_size // whole) * whole} (a multiple of {whole})."
+        ]
     return []
 
 

@@ -115,6 +115,8 @@ def test_advise_ranks_valid_layouts_writes_them_and_logs_them(tmp_path):
 @pytest.mark.parametrize("args, says", [
     (["launcher=advise"], "no calibrated speeds for the card 'cpu'"),
     (["cluster=dgx_h100", "launcher=advise", "launcher.top=0"], "launcher.top=0 must be at least 1. Fix: launcher.top=10."),
+    (["cluster=dgx_h100", "launcher=advise", "launcher.top=2", "launcher.verify=3"],
+     "launcher.verify=3 runs that many of the launcher.top=2 best layouts"),
 ])
 def test_advise_refuses_what_it_cannot_rank_in_one_line(tmp_path, args, says):
     r = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_root={tmp_path / 'jobs'}",
@@ -122,3 +124,33 @@ def test_advise_refuses_what_it_cannot_rank_in_one_line(tmp_path, args, says):
     # one problem, in the launcher's one form for a refused experiment
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
     assert not (tmp_path / "jobs").exists()
+
+
+@pytest.mark.slow
+def test_verify_runs_the_best_layouts_and_records_measured_beside_predicted(tmp_path):
+    """`launcher.verify=2` on the laptop cluster, with this CPU described by a calibration file
+    of its own (GRIDWRIGHT_STEP_TIME_CALIBRATION): the two best layouts train for real, and
+    their measured speed lands in advise.json and on their MLflow runs."""
+    import os
+
+    shipped = json.loads((REPO / "toolkit" / "planning" / "step_time_calibration.json").read_text())
+    cpu = dict(shipped["cards"][0], card="cpu", matmul_tflops={"bf16": 0.2}, attention_tflops=0.1, memory_tbps=0.02)
+    calibration = tmp_path / "cpu_calibration.json"
+    calibration.write_text(json.dumps({"format": shipped["format"], "cards": [cpu]}))
+    db = tmp_path / "mlflow.db"
+    r = subprocess.run([sys.executable, str(REPO / "launch.py"), "launcher=advise", "launcher.top=3",
+                        "launcher.verify=2", "launcher.verify_steps=4", f"job_root={tmp_path / 'jobs'}",
+                        f"tracking.uri=sqlite:///{db}"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "GRIDWRIGHT_STEP_TIME_CALIBRATION": str(calibration)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads(next((tmp_path / "jobs").rglob("advise.json")).read_text())
+    verified = record["verified"]
+    assert [v["rank"] for v in verified] == [1, 2] and all(v["status"] == "finished" for v in verified)
+    assert all(v["measured_tokens_per_s_per_gpu"] > 0 and v["measured_step_s"] > 0 for v in verified)
+    assert "measured order " in r.stdout
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("gridwright").experiment_id])
+    advised = {x.data.tags["gridwright.advice_rank"]: x for x in runs if "gridwright.advice_rank" in x.data.tags}
+    assert advised["1"].data.metrics["measured_tokens_per_s_per_gpu"] == pytest.approx(
+        verified[0]["measured_tokens_per_s_per_gpu"])
+    assert "measured_tokens_per_s_per_gpu" not in advised["3"].data.metrics

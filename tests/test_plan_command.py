@@ -33,7 +33,9 @@ def test_plans_import_neither_torch_nor_megatron(tmp_path):
                            (["+experiment=llama3_70b"], []),  # a Slurm script
                            (["+experiment=llama3_8b", "launcher=torchrun", "launcher.master_addr=node0"], []),
                            # A planned sweep is recorded in MLflow (planned runs), still without torch.
-                           (["-m", "parallel.tp=1,2", "+experiment=llama3_8b", "launcher=plan"], ["mlflow"])):
+                           (["-m", "parallel.tp=1,2", "+experiment=llama3_8b", "launcher=plan"], ["mlflow"]),
+                           # the advisor ranks 1,024 GPUs' layouts torch-free (its runs go to MLflow)
+                           (["+experiment=llama3_70b", "cluster.nodes=128", "launcher=advise"], ["mlflow"])):
         argv = [*args, f"job_root={tmp_path / 'jobs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
         r = subprocess.run([sys.executable, "-c", IMPORT_PROBE, json.dumps(argv), json.dumps(HEAVY)],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120)

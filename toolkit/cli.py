@@ -188,11 +188,16 @@ def advise(cfg, point: SweepContext | None = None) -> Outcome:
     by predicted speed; the best `launcher.top` printed, saved as advise.json and logged to
     MLflow. The composed layout itself need not be valid: it is what is being chosen."""
     from .planning.step_time import NoCalibration
-    from .validation.layout_advice import advice_lines, advice_record, rank_layouts
+    from .validation.layout_advice import advice_lines, advice_record, rank_layouts, verified_lines
 
     try:
         if cfg.launcher.top < 1:
             raise ConfigError([f"launcher.top={cfg.launcher.top} must be at least 1. Fix: launcher.top=10."])
+        if not 0 <= cfg.launcher.verify <= cfg.launcher.top or cfg.launcher.verify_steps < 2:
+            raise ConfigError([f"launcher.verify={cfg.launcher.verify} runs that many of the launcher.top="
+                               f"{cfg.launcher.top} best layouts, each for launcher.verify_steps="
+                               f"{cfg.launcher.verify_steps} (at least 2) steps. "
+                               f"Fix: launcher.verify={min(3, cfg.launcher.top)} launcher.verify_steps=10."])
         job_dir = planned_job_dir(cfg, point.job_point if point else None)
         check_job_dir_free(job_dir)
         problem = unwritable_reason(job_dir)
@@ -210,14 +215,54 @@ def advise(cfg, point: SweepContext | None = None) -> Outcome:
     write_text_atomic(job_dir / ADVICE_FILE, json.dumps(record, indent=1))
     print("\n".join(advice_lines(record)))
     print(f"wrote {job_dir / ADVICE_FILE}")
+    children = {}
     if cfg.tracking.enabled:
         from .tracking import mlflow_runs as tracking
 
         try:
-            print("\n".join(tracking.log_advice(cfg.tracking, job_dir, record)), flush=True)
+            lines, children = tracking.log_advice(cfg.tracking, job_dir, record)
+            print("\n".join(lines), flush=True)
         except Exception as e:  # noqa: BLE001 - the advice is in advise.json whatever the store does
             print(tracking.tracking_failure_line("logging the advice", tracking.one_line(e), job_dir))
-    return Outcome("planned", job_dir=job_dir)
+    if cfg.launcher.verify:
+        record["verified"] = verify_advice(cfg, job_dir, record)
+        write_text_atomic(job_dir / ADVICE_FILE, json.dumps(record, indent=1))
+        print("\n".join(verified_lines(record["verified"])), flush=True)
+        if children:
+            tracking.log_verified(cfg.tracking, children, record["verified"])
+        if not all(v["status"] == "finished" for v in record["verified"]):
+            return Outcome("failed", 1, job_dir=job_dir)
+    return Outcome("planned" if not cfg.launcher.verify else "finished", job_dir=job_dir)
+
+
+def verify_advice(cfg, job_dir, record: dict) -> list[dict]:
+    """`launcher.verify`: the best K layouts that validate, each run here for
+    `launcher.verify_steps` steps into `<advice dir>/verify/`, its measured speed beside the
+    prediction. A run that fails is recorded as such and the next one still runs."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from .validation.layout_advice import config_keys
+
+    out = []
+    for top in [t for t in record["top"] if not t["problem"]][:int(cfg.launcher.verify)]:
+        trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        keys = config_keys(top["overrides"]) | {
+            "launcher.name": "local", "launcher.verify": 0, "train.steps": int(cfg.launcher.verify_steps),
+            "job_dir": str(job_dir / "verify" / f"{top['rank']}-{top['layout']}"),
+            "name": f"{cfg.name}-advice-{top['rank']}"}
+        for key, value in keys.items():
+            OmegaConf.update(trial, key, value, merge=False)
+        print(f"verify      #{top['rank']} {top['layout']}: {cfg.launcher.verify_steps} steps", flush=True)
+        outcome = run(trial)
+        summary = read_json(Path(keys["job_dir"]) / SUMMARY_FILE) if outcome.job_dir else {}
+        out.append({"rank": top["rank"], "layout": top["layout"], "status": outcome.status, "job_dir": keys["job_dir"],
+                    "predicted_tokens_per_s_per_gpu": top["tokens_per_s_per_gpu"],
+                    "predicted_step_s": top["step_s"],
+                    "measured_tokens_per_s_per_gpu": summary.get("tokens_per_s_per_gpu"),
+                    "measured_step_s": summary.get("mean_step_time_s"), "measured_mfu": summary.get("mfu")})
+    return out
 
 
 def emitted_script_problem(cfg, job_dir) -> str | None:

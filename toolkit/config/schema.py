@@ -357,8 +357,11 @@ class LauncherConfig:
     # Local launcher: restarts of the whole worker group (torchrun's elastic restart) after
     # a worker is lost; each resumes from the newest checkpoint in checkpoint.save.
     max_restarts: int = 0
-    # launcher=advise: how many of the best layouts are printed, saved and logged
+    # launcher=advise: how many of the best layouts are printed, saved and logged; how many of
+    # them are then run here as short measured runs of `verify_steps` steps (0: none)
     top: int = 10
+    verify: int = 0
+    verify_steps: int = 10
     # Slurm (each None or empty: not asked for)
     partition: Optional[str] = None
     account: Optional[str] = None

@@ -587,7 +587,7 @@ def log_advice(tracking, job_dir: Path, record: dict) -> list[str]:
     """`launcher=advise`'s ranking as one parent run (the search: model, cluster, counts,
     advise.json) with a nested run per top layout (its overrides as params, its predicted
     speed, memory and parts as metrics), compared side by side like a sweep's points.
-    Returns the lines that lead to them."""
+    Returns the lines that lead to them, and each layout's run id by its rank."""
     from mlflow.entities import Metric
 
     uri = tracking_uri(tracking)
@@ -602,6 +602,7 @@ def log_advice(tracking, job_dir: Path, record: dict) -> list[str]:
                                                             "seq_length", "precision", "flops_definition")}
                 | {f"layouts.{k}": str(v) for k, v in record["counted"].items()})
     client.log_artifact(parent, str(job_dir / ADVICE_FILE))
+    children = {}
     for top in record["top"]:
         child = client.create_run(exp_id, start_time=stamp, run_name=f"#{top['rank']} {top['layout']}", tags={
             PARENT_TAG: parent, STATUS_TAG: "planned", "gridwright.layout": top["layout"],
@@ -614,6 +615,26 @@ def log_advice(tracking, job_dir: Path, record: dict) -> list[str]:
                    **{f"predicted_{part.replace(' ', '_')}_s": s for part, s in top["parts"].items()}}
         _log_metrics(client, child, [Metric(k, float(v), stamp, 0) for k, v in metrics.items()])
         client.set_terminated(child, status="FINISHED", end_time=stamp)
+        children[top["rank"]] = child
     runs_view.publish(client, exp_id, runs_view.sweep_view_key(parent), runs_view.sweep_view_state(parent))
     client.set_terminated(parent, status="FINISHED", end_time=stamp)
-    return sweep_links(uri, parent)
+    return sweep_links(uri, parent), children
+
+
+def log_verified(tracking, children: dict, verified: list[dict]) -> None:
+    """The measured speed of each layout `launcher.verify` ran, on its advice run (beside
+    the prediction), with the run of the measurement named."""
+    from mlflow.entities import Metric
+
+    client = client_for(tracking_uri(tracking))
+    stamp = int(time.time() * 1000)
+    for v in verified:
+        child = children.get(v["rank"])
+        if child is None or not v.get("measured_tokens_per_s_per_gpu"):
+            continue
+        metrics = {"measured_tokens_per_s_per_gpu": v["measured_tokens_per_s_per_gpu"],
+                   "measured_step_time_s": v["measured_step_s"]}
+        if v.get("measured_mfu") is not None:
+            metrics["measured_mfu"] = v["measured_mfu"]
+        _log_metrics(client, child, [Metric(k, float(x), stamp, 0) for k, x in metrics.items()])
+        client.set_tag(child, "gridwright.verified_in", v["job_dir"])

@@ -124,6 +124,7 @@ def rank_layouts(cfg, top: int = 10) -> dict:
     counted = {"layouts": 0, "valid": 0, "fit": 0}
     ranked: list[Candidate] = []
     gbs = int(base.train.global_batch_size)
+    on_cuda = base.cluster.device == "cuda"  # compiled layers and TP overlap are CUDA's speed options
     for overrides, layout in layouts(base):
         for mbs in MICRO_BATCHES:
             if gbs % (mbs * layout.dp):
@@ -136,11 +137,12 @@ def rank_layouts(cfg, top: int = 10) -> dict:
             counted["valid"] += 1
             for stage in (0, 1):
                 for recompute in RECOMPUTE:
-                    engine_keys = {"compile_layers": True, "overlap_grad_reduce": layout.dp > 1,
-                                   "tp_comm_overlap": layout.tp > 1}
+                    engine_keys = {"compile_layers": on_cuda, "overlap_grad_reduce": layout.dp > 1,
+                                   "tp_comm_overlap": on_cuda and layout.tp > 1}
                     trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
                                        train={**train, "recompute": recompute},
-                                       zero={"stage": stage}, engine=engine_keys)
+                                       zero={"stage": stage, "offload_optimizer": False, "offload_params": False},
+                                       engine=engine_keys)
                     memory = estimate_memory(trial, layout, engine, params).total_gib
                     if cap and memory > cap:
                         continue
@@ -158,15 +160,20 @@ def rank_layouts(cfg, top: int = 10) -> dict:
             "seconds": time.perf_counter() - started, "card": speeds.card}
 
 
+def config_keys(overrides: dict) -> dict:
+    """A candidate's overrides as dotted config keys (its `zero=stageN` group as the keys it sets)."""
+    keys = {k: v for k, v in overrides.items() if k != "zero"}
+    return keys | {"zero.stage": int(overrides["zero"][5:]), "zero.offload_optimizer": False,
+                   "zero.offload_params": False}
+
+
 def whole_config_problem(cfg, candidate: Candidate) -> str | None:
     """The first problem `validate` finds in `cfg` at the candidate's layout (every rule, not
     only the layout's), or None: the line `launcher=advise` offers to run must itself pass."""
     from .fix_advice import tried_with
     from .validate import ConfigError, validate
 
-    keys = {("zero.stage" if k == "zero" else k): (int(v[5:]) if k == "zero" else v)
-            for k, v in candidate.overrides.items()}
-    with tried_with(cfg, keys) as tried:
+    with tried_with(cfg, config_keys(candidate.overrides)) as tried:
         try:
             validate(tried, for_launch=False)
         except ConfigError as e:
@@ -184,6 +191,23 @@ def advice_record(cfg, advice: dict) -> dict:
             "top": [{"rank": i + 1, "overrides": c.overrides, "layout": c.layout.slug(), "memory_gib": c.memory_gib,
                      "problem": problem, **c.prediction.record()}
                     for i, (c, problem) in enumerate(zip(advice["candidates"], advice["problems"]))]}
+
+
+def verified_lines(verified: list[dict]) -> list[str]:
+    """Predicted beside measured for the layouts `launcher.verify` ran, and whether the
+    measured order is the predicted one."""
+    lines = [f"verify      {'#':>2} {'predicted tok/s/GPU':>19} {'measured':>9} {'error':>7}  layout"]
+    for v in verified:
+        measured = v.get("measured_tokens_per_s_per_gpu")
+        error = f"{v['predicted_tokens_per_s_per_gpu'] / measured - 1:+.0%}" if measured else ""
+        lines.append(f"            {v['rank']:>2} {v['predicted_tokens_per_s_per_gpu']:>19,.0f} "
+                     f"{measured or 0:>9,.0f} {error:>7}  {v['layout']} ({v['status']}; {v['job_dir']})")
+    ran = [v for v in verified if v.get("measured_tokens_per_s_per_gpu")]
+    if len(ran) > 1:
+        same = [v["rank"] for v in sorted(ran, key=lambda v: -v["measured_tokens_per_s_per_gpu"])] == \
+            [v["rank"] for v in ran]
+        lines.append("            measured order " + ("is the predicted one" if same else "differs from the predicted one"))
+    return lines
 
 
 def advice_lines(record: dict) -> list[str]:

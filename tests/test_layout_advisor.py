@@ -69,6 +69,8 @@ def test_the_calibration_reproduces_its_own_row_and_names_its_files():
     cfg = compose_case("llama3_8b_16l_1gpu_mb2")
     p = predict_step(cfg, ParallelLayout.from_config(cfg), h200)
     assert p.step_s == pytest.approx(1.529, rel=0.02)  # the row's measured step (1 x H200)
+    te = compose_case("llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs")  # Transformer Engine's FP8 rates
+    assert predict_step(te, ParallelLayout.from_config(te), h200).step_s == pytest.approx(1.099, rel=0.02)
     with pytest.raises(LookupError, match="no calibrated speeds for the card 'B200'"):
         speeds_for("B200", load_calibration())
 

@@ -53,9 +53,9 @@ class CardSpeeds:
     """One card's measured rates, each fitted from the files in `fitted_from`."""
 
     card: str  # a name the cluster's gpu.name contains, e.g. "H200"
-    matmul_tflops: dict  # precision kind ("bf16", "fp8") -> GEMM FLOP/s achieved, in TFLOP/s
+    matmul_tflops: dict  # rate kind ("bf16", "fp8", "te_fp8": step_time.rate_kind) -> GEMM TFLOP/s achieved
     attention_tflops: float
-    other_s_per_unit: dict  # "bf16"/"fp8", "_eager" added uncompiled -> seconds per token x hidden x layer
+    other_s_per_unit: dict  # rate kind, "_eager" added uncompiled -> seconds per token x hidden x layer
     memory_tbps: float  # HBM bandwidth (the optimizer step)
     host_s_per_kernel: float
     kernels_per_layer: float  # per micro-batch, forward and backward
@@ -139,10 +139,24 @@ def _peak_kind(cfg) -> str:
     return "fp8" if cfg.precision.fp8_recipe is not None else "bf16"
 
 
+def rate_kind(cfg) -> str:
+    """Which measured rates a run's kernels go at: its precision's, Transformer Engine's own
+    where the config asks for its layers ("te_fp8"); `auto` is priced as torch-native."""
+    te = str(cfg.engine.layer_spec) == "transformer_engine"
+    return ("te_" if te else "") + _peak_kind(cfg)
+
+
+def _rate(rates: dict, kind: str):
+    """A kind's rate, else the torch-native one of its precision, else bf16's."""
+    return rates.get(kind, rates.get(kind.removeprefix("te_"), rates["bf16"]))
+
+
 def other_rate(speeds: CardSpeeds, kind: str, compiled: bool) -> float:
     """Seconds per token x hidden x layer of the memory-bound kernels; an uncalibrated
     combination scales the calibrated one by bf16's eager-to-compiled ratio."""
     rates = speeds.other_s_per_unit
+    if kind.startswith("te_"):  # TE's fused kernels: compiling its layers is not asked
+        return _rate(rates, kind)
     key = kind if compiled else f"{kind}_eager"
     if key in rates:
         return rates[key]
@@ -164,8 +178,8 @@ def predict_step(cfg, layout: ParallelLayout, speeds: CardSpeeds, params: ParamC
     attention_passes = 3.0 + (1.0 if str(t.recompute) in ("selective", "full") else 0.0)
     matmul_flops = tokens * (layers * parts_["layer_matmul"] * passes + parts_["output"] * 3.0) / tp
     attention_flops = tokens * layers * parts_["layer_attention"] * attention_passes / tp
-    kind = _peak_kind(cfg)
-    matmul_s = matmul_flops / (speeds.matmul_tflops.get(kind, speeds.matmul_tflops["bf16"]) * 1e12)
+    kind = rate_kind(cfg)
+    matmul_s = matmul_flops / (_rate(speeds.matmul_tflops, kind) * 1e12)
     attention_s = attention_flops / (speeds.attention_tflops * 1e12)
     other_units = tokens * int(m.hidden_size) * layers / (tp if layout.sp else 1)
     other_s = other_units * other_rate(speeds, kind, bool(cfg.engine.compile_layers)) * (passes / 3.0)
@@ -199,7 +213,7 @@ def predict_step(cfg, layout: ParallelLayout, speeds: CardSpeeds, params: ParamC
     parts = {"matmul": matmul_s, "attention": attention_s, "other": other_s, "optimizer": optimizer_s,
              "bubble": bubble_s, **{f"exposed {g}": s for g, s in exposed.items()}}
     per_gpu = int(t.global_batch_size) * seq / layout.world_size / step_s
-    peak = float(cfg.cluster.gpu.peak_fp8_tflops if kind == "fp8" else cfg.cluster.gpu.peak_bf16_tflops)
+    peak = float(cfg.cluster.gpu.peak_fp8_tflops if _peak_kind(cfg) == "fp8" else cfg.cluster.gpu.peak_bf16_tflops)
     flops = model_flops_per_token(m, seq, str(cfg.evaluate.flops_definition), pc)
     mfu = per_gpu * flops / (peak * 1e12) if peak else 0.0
     return StepPrediction(step_s, parts, communication, per_gpu, mfu, host_s, host_s > gpu_s)

@@ -156,3 +156,21 @@ def test_verify_runs_the_best_layouts_and_records_measured_beside_predicted(tmp_
     assert advised["1"].data.metrics["measured_tokens_per_s_per_gpu"] == pytest.approx(
         verified[0]["measured_tokens_per_s_per_gpu"])
     assert "measured_tokens_per_s_per_gpu" not in advised["3"].data.metrics
+
+
+def test_a_planned_run_carries_its_prediction_as_params(compose, tmp_path):
+    """A plan on a calibrated card records the prediction in plan.json, and its MLflow run's
+    params carry it: a plan sweep's runs compare predicted speed in the runs table."""
+    from gridwright.engine_rules.registry import rules
+    from gridwright.planning.placement import plan_placement
+    from gridwright.planning.plan import derive_plan
+    from gridwright.tracking.mlflow_runs import plan_params
+
+    cfg = compose(*GPU8, "cluster.nodes=1", "parallel.tp=2", "parallel.sp=true")
+    layout = ParallelLayout.from_config(cfg)
+    plan = derive_plan(cfg, layout, plan_placement(layout), rules(cfg.engine)).record()
+    assert plan["predicted_step"]["card"] == "H100" and plan["predicted_step"]["step_s"] > 0
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    params = plan_params(tmp_path)
+    assert float(params["predicted.tokens_per_s_per_gpu"]) == round(plan["predicted_step"]["tokens_per_s_per_gpu"])
+    assert float(params["predicted.mfu"]) == pytest.approx(plan["predicted_step"]["mfu"], abs=1e-4)

@@ -167,6 +167,11 @@ def plan_params(job_dir: Path | None) -> dict[str, str]:
         "flops.peak_kind": plan.get("peak_kind"),
         "memory.estimate_gib": plan.get("memory_estimate_gib"),
     }
+    predicted = plan.get("predicted_step") if isinstance(plan.get("predicted_step"), dict) else {}
+    for key, name, digits in (("tokens_per_s_per_gpu", "tokens_per_s_per_gpu", 0), ("mfu", "mfu", 4),
+                              ("step_s", "step_s", 4)):
+        if predicted.get(key) is not None:  # the step-time model's, beside what the run measures
+            out[f"predicted.{name}"] = round(predicted[key], digits)
     return {k: str(v) for k, v in out.items() if v is not None}
 
 

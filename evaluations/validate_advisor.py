@@ -7,9 +7,10 @@ The calibration (`gridwright/planning/step_time_calibration.json`) is fitted fro
 named in CALIBRATION only; every other committed GPU row of the Megatron engine on the
 torch-native spec is the test set: the bench_gpu results files (each case's config is
 composed from bench_gpu's own overrides) and the recorded sweeps in tests/data/sweeps
-(their config.yaml). Per row it prints predicted against measured step time, compute and
-exposed communication per group, and per call the share of layout pairs the prediction
-orders right. Torch-free.
+(their config.yaml). Per row it prints predicted against measured step time, compute,
+exposed communication per group and idle time (against the predicted bubble; idle also
+holds host waits), and per call the share of layout pairs the prediction orders right.
+Torch-free.
 """
 from __future__ import annotations
 
@@ -196,7 +197,7 @@ def test_rows() -> tuple[list[dict], list[dict]]:
             exposed = {g: number(row.get(f"exposed {g} ms", "") or "") for g in ("tp", "cp", "dp", "pp", "ep")}
             rows.append({"call": path.name, "name": name, "card": card, "cfg": cfg,
                          "step_s": number(row["step s"]),
-                         "compute_s": None,
+                         "compute_s": None, "idle_s": (number(row.get("idle ms", "") or "") or 0.0) / 1e3,
                          "exposed_s": {g: v / 1e3 for g, v in exposed.items() if v is not None}})
     for sweep in sorted(p for p in SWEEPS.iterdir() if p.is_dir()):
         for point in sorted(p for p in sweep.iterdir() if (p / "summary.json").is_file()):
@@ -214,6 +215,7 @@ def test_rows() -> tuple[list[dict], list[dict]]:
             comm = summary.get("communication") or {}
             rows.append({"call": sweep.name, "name": name, "card": cfg.cluster.gpu.name, "cfg": cfg,
                          "step_s": summary["mean_step_time_s"], "compute_s": comm.get("compute_s"),
+                         "idle_s": comm.get("idle_s"),
                          "exposed_s": {g: v["exposed_s"] for g, v in (comm.get("by_group") or {}).items()}})
     return rows, skipped
 
@@ -250,8 +252,8 @@ def _ms(x: float | None) -> str:
 
 def report(rows: list[dict], skipped: list[dict]) -> str:
     lines = ["| call | row | card | layout | step s measured | predicted | error | compute ms measured / "
-             "predicted | exposed comm ms measured / predicted, per group |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "predicted | exposed comm ms measured / predicted, per group | idle ms measured / bubble predicted |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         p, lay = r["predicted"], layout_of(r["cfg"])
         compute = p.parts["matmul"] + p.parts["attention"] + p.parts["other"] + p.parts["optimizer"]
@@ -259,7 +261,8 @@ def report(rows: list[dict], skipped: list[dict]) -> str:
         comm = ", ".join(f"{g} {_ms(r['exposed_s'].get(g))} / {_ms(p.communication.get(g, {}).get('exposed_s', 0.0))}"
                          for g in groups)
         lines.append(f"| {r['call']} | {r['name'].split('/')[-1]} | {r['card']} | {lay.slug()} | {r['step_s']:.3f} "
-                     f"| {p.step_s:.3f} | {_pct(r['error'])} | {_ms(r['compute_s'])} / {_ms(compute)} | {comm} |")
+                     f"| {p.step_s:.3f} | {_pct(r['error'])} | {_ms(r['compute_s'])} / {_ms(compute)} | {comm} "
+                     f"| {_ms(r['idle_s'])} / {_ms(p.parts['bubble'])} |")
     errors = [abs(r["error"]) for r in rows]
     right, pairs = pair_order(rows)
     lines += ["", f"Rows: {len(rows)}; median |error| of the step time: {statistics.median(errors) * 100:.1f} % "

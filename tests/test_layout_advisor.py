@@ -174,3 +174,14 @@ def test_a_planned_run_carries_its_prediction_as_params(compose, tmp_path):
     params = plan_params(tmp_path)
     assert float(params["predicted.tokens_per_s_per_gpu"]) == round(plan["predicted_step"]["tokens_per_s_per_gpu"])
     assert float(params["predicted.mfu"]) == pytest.approx(plan["predicted_step"]["mfu"], abs=1e-4)
+
+
+def test_the_best_moe_layouts_pass_the_whole_validation(compose):
+    """Expert groups stay inside the NVLink domain (validation refuses them across it), so
+    the best Mixtral layouts on 64 GPUs are ones `validate` accepts."""
+    from gridwright.validation.layout_advice import rank_layouts
+
+    advice = rank_layouts(compose("model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=8",
+                                  "train.seq_length=8192", "train.global_batch_size=128"), top=5)
+    assert len(advice["candidates"]) == 5 and advice["problems"] == [None] * 5
+    assert all(c.layout.etp * c.layout.ep <= 8 for c in advice["candidates"])

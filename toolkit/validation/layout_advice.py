@@ -99,6 +99,10 @@ def layouts(cfg: Plain):
                     continue
                 for ep in ([e for e in divisors(experts) if world % (pp * e) == 0] if experts else [1]):
                     for etp in ({1, tp} if experts else {tp}):
+                        # an expert group (expert-TP x EP, adjacent ranks) inside one NVLink domain,
+                        # as validation's check_nvlink_domains asks unless told otherwise
+                        if experts and etp * ep > domain and not cfg.parallel.allow_ep_across_nvlink:
+                            continue
                         for vpp in vpps:
                             layout = ParallelLayout(world_size=world, gpus_per_node=int(c.gpus_per_node),
                                                     nvlink_domain_size=int(c.nvlink_domain_size), tp=tp, pp=pp,

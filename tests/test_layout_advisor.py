@@ -182,6 +182,6 @@ def test_the_best_moe_layouts_pass_the_whole_validation(compose):
     from gridwright.validation.layout_advice import rank_layouts
 
     advice = rank_layouts(compose("model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=8",
-                                  "train.seq_length=8192", "train.global_batch_size=128"), top=5)
+                                  "train.seq_length=8192", "train.global_batch_size=128", "launcher=advise"), top=5)
     assert len(advice["candidates"]) == 5 and advice["problems"] == [None] * 5
     assert all(c.layout.etp * c.layout.ep <= 8 for c in advice["candidates"])

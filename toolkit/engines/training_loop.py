@@ -131,6 +131,11 @@ def _loop(cfg, trainer, on_step, on_start, job_dir, stop, progress) -> list[dict
             if background is not None and last:
                 background.finish(bound, "the end of training" if signal is None else f"signal {signal}")
             if background is None or last or background.before_save(done):
+                if background is not None:
+                    # A wait for the previous write (above) spent its own bound: this save gets one
+                    # of its own, a last one as long as a background write takes (the same bytes).
+                    progress.phase("saving", save_bound((background.last_write_s or last_save_s) if last
+                                                        else last_save_s))
                 if rank == 0:
                     saves.announce(done)
                 path = trainer.save(done, ck.save, None if last else background)

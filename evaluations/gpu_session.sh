@@ -9,7 +9,8 @@
 # all: the tier's core tests (TE resume, conversion, TE and cuBLASLt GEMMs), the rest of the
 # tier, then `bench_gpu --suite te`; tier: the tier only; core: its core tests only; bench:
 # the suite only; core_bench: the core tests, then the suite (for a session short of device
-# time). CASES="a b" runs only those cases of the suite. Needs .whl/ and .te/ carried
+# time); rest_bench: the tier's tests an earlier call did not pass (RESUME=FILE.json, that
+# call's file), then the suite. CASES="a b" runs only those cases of the suite. Needs .whl/ and .te/ carried
 # (docs/development.md, "Transformer Engine").
 R=/tmp/gwres; W=/tmp/gw; MODE=${2:-all}
 mkdir -p $R
@@ -21,7 +22,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export GRIDWRIGHT_COMMIT=${1:?commit}
 bash .te/install_te.sh .te /tmp/tesite && export PYTHONPATH=/tmp/tesite:$PYTHONPATH
 python -m pip install -q --no-deps .whl/*.whl && python -m pip install -q --no-deps --no-build-isolation -e .
-if [ "$MODE" != bench ]; then
+if [ "$MODE" = rest_bench ]; then
+    timeout 420 python -m gridwright.evaluations.gpu_tier --out $R --budget 390 --test-timeout 200 \
+        --resume "${RESUME:?RESUME=FILE.json}" > $R/gpu_tier_rest.log 2>&1
+    echo "tier done: rc=$?"; date
+elif [ "$MODE" != bench ]; then
     budget=420; [ "$MODE" != all ] && [ "$MODE" != tier ] && budget=240
     timeout $((budget + 30)) python -m gridwright.evaluations.gpu_tier --out $R --budget $budget --test-timeout 200 \
         -- -k "resumes_exactly or converts or computes_in_fp8 or cublaslt" > $R/gpu_tier_core.log 2>&1

@@ -119,6 +119,8 @@ def test_advise_ranks_valid_layouts_writes_them_and_logs_them(tmp_path):
     (["cluster=dgx_h100", "launcher=advise", "launcher.top=0"], "launcher.top=0 must be at least 1. Fix: launcher.top=10."),
     (["cluster=dgx_h100", "launcher=advise", "launcher.top=2", "launcher.verify=3"],
      "launcher.verify=3 runs that many of the launcher.top=2 best layouts"),
+    (["cluster=dgx_h100", "launcher=advise", "launcher.precisions=[bf16,fp9]"],
+     "launcher.precisions names 'fp9', not a precision preset"),
 ])
 def test_advise_refuses_what_it_cannot_rank_in_one_line(tmp_path, args, says):
     r = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_root={tmp_path / 'jobs'}",
@@ -185,3 +187,31 @@ def test_the_best_moe_layouts_pass_the_whole_validation(compose):
                                   "train.seq_length=8192", "train.global_batch_size=128", "launcher=advise"), top=5)
     assert len(advice["candidates"]) == 5 and advice["problems"] == [None] * 5
     assert all(c.layout.etp * c.layout.ep <= 8 for c in advice["candidates"])
+
+
+def test_one_gpu_advice_chooses_precision_compile_recompute_and_verifies_distinct_layouts(compose):
+    """On one GPU the layout is fixed, so what the advisor chooses is the micro-batch,
+    recompute, the offered precisions and compiled layers or eager; ZeRO is not a choice
+    with one DP rank. `launcher.verify` takes layouts the model can order: none within 1 %
+    of another it takes."""
+    from gridwright.validation.layout_advice import TIE, advice_record, rank_layouts, to_verify
+
+    cfg = compose("model=llama3_8b", "model.num_layers=16", "cluster=h100_x1", "cluster.gpu.name=NVIDIA_H200",
+                  "cluster.gpu.memory_gib=139.8", "precision=bf16", "engine.layer_spec=torch_native",
+                  "train.seq_length=4096", "train.global_batch_size=8", "launcher=advise",
+                  "launcher.precisions=[bf16,fp8_tensorwise]")
+    advice = rank_layouts(cfg, top=48)
+    words = [c.overrides for c in advice["candidates"]]
+    assert {w["zero"] for w in words} == {"stage0"}
+    assert {w["precision"] for w in words} == {"bf16", "fp8_tensorwise"}
+    assert {w["engine.compile_layers"] for w in words} == {True, False}
+    assert {w["train.recompute"] for w in words} == {"none", "selective", "full"}
+    best = words[0]
+    assert (best["precision"], best["engine.compile_layers"], best["train.recompute"]) == ("fp8_tensorwise", True, "none")
+    record = advice_record(cfg, advice)
+    chosen = to_verify(record["top"], 3)
+    speeds = [c["tokens_per_s_per_gpu"] for c in chosen]
+    assert len(chosen) == 3 and chosen[0]["rank"] == 1 and speeds == sorted(speeds, reverse=True)
+    assert all(a / b - 1 >= TIE for a, b in zip(speeds, speeds[1:]))
+    # ties were passed over: the top list itself holds layouts predicted alike (micro-batch 1 and 2)
+    assert record["top"][1]["tokens_per_s_per_gpu"] == pytest.approx(speeds[0], rel=TIE)

@@ -188,7 +188,7 @@ def advise(cfg, point: SweepContext | None = None) -> Outcome:
     by predicted speed; the best `launcher.top` printed, saved as advise.json and logged to
     MLflow. The composed layout itself need not be valid: it is what is being chosen."""
     from .planning.step_time import NoCalibration
-    from .validation.layout_advice import advice_lines, advice_record, rank_layouts, verified_lines
+    from .validation.layout_advice import advice_lines, advice_record, precision_keys, rank_layouts, verified_lines
 
     try:
         if cfg.launcher.top < 1:
@@ -203,6 +203,11 @@ def advise(cfg, point: SweepContext | None = None) -> Outcome:
         problem = unwritable_reason(job_dir)
         if problem:
             raise ConfigError([f"cannot create the job directory {job_dir}: {problem}. Fix: set job_root or job_dir."])
+        for name in cfg.launcher.precisions:
+            try:
+                precision_keys(name)
+            except ValueError as e:
+                raise ConfigError([f"{e}. Fix: launcher.precisions=[bf16,fp8_tensorwise]."]) from None
         advice = rank_layouts(cfg, top=int(cfg.launcher.top))
     except NoCalibration as e:
         print(f"error: {e}", file=sys.stderr)
@@ -238,15 +243,16 @@ def advise(cfg, point: SweepContext | None = None) -> Outcome:
 def verify_advice(cfg, job_dir, record: dict) -> list[dict]:
     """`launcher.verify`: the best K layouts that validate, each run here for
     `launcher.verify_steps` steps into `<advice dir>/verify/`, its measured speed beside the
-    prediction. A run that fails is recorded as such and the next one still runs."""
+    prediction (`layout_advice.to_verify` says which). A run that fails is recorded as such
+    and the next one still runs."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    from .validation.layout_advice import config_keys
+    from .validation.layout_advice import config_keys, to_verify
 
     out = []
-    for top in [t for t in record["top"] if not t["problem"]][:int(cfg.launcher.verify)]:
+    for top in to_verify(record["top"], int(cfg.launcher.verify)):
         trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
         keys = config_keys(top["overrides"]) | {
             "launcher.name": "local", "launcher.verify": 0, "train.steps": int(cfg.launcher.verify_steps),

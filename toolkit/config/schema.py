@@ -362,6 +362,9 @@ class LauncherConfig:
     top: int = 10
     verify: int = 0
     verify_steps: int = 10
+    # precision presets (conf/precision/) the advisor may choose among, e.g. [bf16,fp8_tensorwise];
+    # empty: the composed precision only (FP8 changes the numerics: a user's choice to offer)
+    precisions: list[str] = field(default_factory=list)
     # Slurm (each None or empty: not asked for)
     partition: Optional[str] = None
     account: Optional[str] = None

@@ -2,9 +2,10 @@
 
 The composed experiment fixes the model, the cluster, the global batch, the sequence and
 the precision; the advisor varies what a layout is: TP (with SP), PP, VPP, CP, EP and
-expert-TP, the ZeRO stage (the distributed optimizer or not), the micro-batch and
-recompute, with the speed options a layout can use (compiled layers, overlapped gradient
-reduce where DP > 1, TP communication overlap where TP > 1). Each candidate passes the same
+expert-TP, the ZeRO stage (the distributed optimizer or not, where there is more than one
+DP x CP rank to shard over), the micro-batch and recompute, compiled layers or eager on
+CUDA, the precisions `launcher.precisions` offers, with the speed options a layout can use
+(overlapped gradient reduce where DP > 1, TP communication overlap where TP > 1). Each candidate passes the same
 layout rules `validate` applies (`layout_rules.layout_passes`) and fits the card by the
 memory estimate, then is ranked by the step-time model (`planning.step_time`).
 
@@ -19,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from ..basics.conf_dir import CONF_DIR
 from ..engine_rules.registry import rules
 from ..planning.layout import ParallelLayout
 from ..planning.memory_estimate import estimate_memory
@@ -30,6 +32,8 @@ from .layout_rules import layout_passes
 RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MEMORY_HEADROOM = 0.95  # of the card's memory: allocator fragmentation
+# Predictions closer than this are a tie to the model: `launcher.verify` runs one of them
+TIE = 0.01
 
 
 class Plain(dict):
@@ -81,6 +85,18 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def precision_keys(name: str) -> dict:
+    """The keys a precision preset sets (conf/precision/NAME.yaml), as the advisor and its
+    verify apply `precision=NAME` to a composed config."""
+    import yaml
+
+    path = CONF_DIR / "precision" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"launcher.precisions names {name!r}, not a precision preset; the presets: "
+                         + ", ".join(sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml"))))
+    return {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if not k.startswith("#")}
+
+
 def layouts(cfg: Plain):
     """(overrides, layout) for every layout of the grid worth trying: degrees that divide
     the world, the layers and the experts; the rules then say which are valid."""
@@ -129,6 +145,8 @@ def rank_layouts(cfg, top: int = 10) -> dict:
     ranked: list[Candidate] = []
     gbs = int(base.train.global_batch_size)
     on_cuda = base.cluster.device == "cuda"  # compiled layers and TP overlap are CUDA's speed options
+    chosen = list(base.launcher.get("precisions") or [])
+    precisions = {name: Plain({**base.precision, **precision_keys(name)}) for name in chosen} or {None: base.precision}
     for overrides, layout in layouts(base):
         for mbs in MICRO_BATCHES:
             if gbs % (mbs * layout.dp):
@@ -139,22 +157,28 @@ def rank_layouts(cfg, top: int = 10) -> dict:
             if not layout_passes(base.model, trial_train, layout):
                 continue
             counted["valid"] += 1
-            for stage in (0, 1):
+            # the distributed optimizer shards over DP x CP: with one such rank it is ZeRO 0
+            for stage in (0, 1) if layout.dp * layout.cp > 1 else (0,):
                 for recompute in RECOMPUTE:
-                    engine_keys = {"compile_layers": on_cuda, "overlap_grad_reduce": layout.dp > 1,
-                                   "tp_comm_overlap": on_cuda and layout.tp > 1}
-                    trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
-                                       train={**train, "recompute": recompute},
-                                       zero={"stage": stage, "offload_optimizer": False, "offload_params": False},
-                                       engine=engine_keys)
-                    memory = estimate_memory(trial, layout, engine, params).total_gib
-                    if cap and memory > cap:
-                        continue
-                    counted["fit"] += 1
-                    prediction = predict_step(trial, layout, speeds, params)
-                    keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
-                            "zero": f"stage{stage}", **{f"engine.{k}": v for k, v in engine_keys.items()}}
-                    ranked.append(Candidate(keys, layout, memory, prediction))
+                    for name, precision in precisions.items():
+                        for compiled in (True, False) if on_cuda else (False,):
+                            engine_keys = {"compile_layers": compiled, "overlap_grad_reduce": layout.dp > 1,
+                                           "tp_comm_overlap": on_cuda and layout.tp > 1}
+                            trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
+                                               train={**train, "recompute": recompute},
+                                               zero={"stage": stage, "offload_optimizer": False,
+                                                     "offload_params": False},
+                                               engine=engine_keys)
+                            trial["precision"] = precision
+                            memory = estimate_memory(trial, layout, engine, params).total_gib
+                            if cap and memory > cap:
+                                continue
+                            counted["fit"] += 1
+                            prediction = predict_step(trial, layout, speeds, params)
+                            keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
+                                    "zero": f"stage{stage}", **({"precision": name} if name else {}),
+                                    **{f"engine.{k}": v for k, v in engine_keys.items()}}
+                            ranked.append(Candidate(keys, layout, memory, prediction))
     # Equal speeds (to 0.1 %): the simpler layout first (fewer split dimensions), then the
     # one with more memory left
     ranked.sort(key=lambda c: (-round(math.log(c.prediction.tokens_per_s_per_gpu) / math.log(1.001)), c.layout.cp,
@@ -165,8 +189,11 @@ def rank_layouts(cfg, top: int = 10) -> dict:
 
 
 def config_keys(overrides: dict) -> dict:
-    """A candidate's overrides as dotted config keys (its `zero=stageN` group as the keys it sets)."""
-    keys = {k: v for k, v in overrides.items() if k != "zero"}
+    """A candidate's overrides as dotted config keys (its `zero=stageN` and `precision=NAME`
+    groups as the keys they set)."""
+    keys = {k: v for k, v in overrides.items() if k not in ("zero", "precision")}
+    if "precision" in overrides:
+        keys |= {f"precision.{k}": v for k, v in precision_keys(overrides["precision"]).items()}
     return keys | {"zero.stage": int(overrides["zero"][5:]), "zero.offload_optimizer": False,
                    "zero.offload_params": False}
 
@@ -197,6 +224,18 @@ def advice_record(cfg, advice: dict) -> dict:
                     for i, (c, problem) in enumerate(zip(advice["candidates"], advice["problems"]))]}
 
 
+def to_verify(top: list[dict], k: int) -> list[dict]:
+    """The best `k` of advise.json's layouts that validate, passing over one predicted within
+    `TIE` of one already taken: the model cannot order those two, so measuring both would
+    test nothing about its ranking."""
+    taken: list[dict] = []
+    for layout in top:
+        speed = layout["tokens_per_s_per_gpu"]
+        if not layout["problem"] and all(abs(speed / t["tokens_per_s_per_gpu"] - 1) >= TIE for t in taken):
+            taken.append(layout)
+    return taken[:k]
+
+
 def verified_lines(verified: list[dict]) -> list[str]:
     """Predicted beside measured for the layouts `launcher.verify` ran, and whether the
     measured order is the predicted one."""
@@ -219,7 +258,7 @@ def advice_lines(record: dict) -> list[str]:
     n = record["counted"]
     lines = [f"advise      {record['model']} on {record['gpus']} x {record['card']} ({record['cluster']}), global batch "
              f"{record['global_batch_size']} x {record['seq_length']}, {record['precision']}: "
-             f"{n['layouts']} layouts, {n['valid']} valid; {n['fit']} configurations of them (ZeRO, recompute) fit "
+             f"{n['layouts']} layouts, {n['valid']} valid; {n['fit']} configurations of them (ZeRO, recompute, precision, compile) fit "
              f"({record['seconds']:.1f} s)"]
     if not record["top"]:
         lines.append("            no layout fits: a bigger cluster or a smaller model")
@@ -227,7 +266,9 @@ def advice_lines(record: dict) -> list[str]:
     lines.append(f"            {'#':>2} {'tok/s/GPU':>10} {'MFU':>6} {'step s':>8} {'GiB':>6}  layout")
     for top in record["top"]:
         o = top["overrides"]
-        extra = f"mb{o['train.micro_batch_size']} {o['zero']} recompute={o['train.recompute']}"
+        extra = (f"mb{o['train.micro_batch_size']} {o['zero']} recompute={o['train.recompute']}"
+                 + (f" {o['precision']}" if "precision" in o else "")
+                 + (" compiled" if o.get("engine.compile_layers") else ""))
         lines.append(f"            {top['rank']:>2} {top['tokens_per_s_per_gpu']:>10,.0f} {top['mfu'] * 100:>5.1f}% "
                      f"{top['step_s']:>8.3f} {top['memory_gib']:>6.1f}  {top['layout']} {extra}")
     for top in record["top"]:

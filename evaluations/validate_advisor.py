@@ -35,17 +35,20 @@ RESULTS = REPO / "evaluations" / "results"
 SWEEPS = REPO / "tests" / "data" / "sweeps"
 COMMON = ["tracking=off", "precision=bf16"]  # bench_gpu's own, less its learning-rate schedule
 
-# The rows the calibration is fitted from (file, case, what it fits); nothing else.
-CALIBRATION = [
-    ("bench_gpu_performance_1xh200.md", "llama3_8b_16l_1gpu_mb2", "bf16 GEMM, attention and compiled rest rates"),
-    ("bench_gpu_performance_1xh200.md", "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output",
-     "FP8 GEMM and compiled rest rates"),
-    ("bench_gpu_te_1xh200.md", "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs",
-     "Transformer Engine's FP8 GEMM and rest rates (its own layers asked for)"),
-    ("bench_gpu_performance_2xh200.md", "bench_1b_1gpu_base", "the eager (uncompiled) rest rate"),
-    ("bench_gpu_performance_2xh200.md", "bench_1b_cp2_mb4", "the share of CP's ring exchange attention hides"),
-    ("comm_profile_2xh100.json", None, "NVLink α-β of every collective (two-GPU groups)"),
-]
+# The rows the calibration is fitted from, by what each fits: {role: (file, case, what)};
+# nothing else. The kernel-rate rows give GEMM, attention and rest times per precision kind.
+CALIBRATION = {
+    "bf16": ("bench_gpu_performance_1xh200.md", "llama3_8b_16l_1gpu_mb2",
+             "bf16 GEMM, attention and compiled rest rates"),
+    "fp8": ("bench_gpu_performance_1xh200.md", "llama3_8b_16l_1gpu_mb2_fp8_tensorwise_output",
+            "FP8 GEMM and compiled rest rates"),
+    "te_fp8": ("bench_gpu_te_1xh200.md", "llama3_8b_16l_1gpu_mb2_te_fp8_delayed_graphs",
+               "Transformer Engine's FP8 GEMM and rest rates (its own layers asked for)"),
+    "eager": ("bench_gpu_performance_2xh200.md", "bench_1b_1gpu_base", "the eager (uncompiled) rest rate"),
+    "cp": ("bench_gpu_performance_2xh200.md", "bench_1b_cp2_mb4", "the share of CP's ring exchange attention hides"),
+    "nvlink": ("comm_profile_2xh100.json", None, "NVLink α-β of every collective (two-GPU groups)"),
+}
+KERNEL_RATE_ROLES = ("bf16", "fp8", "te_fp8")
 HOST_S_PER_KERNEL = 5e-6  # not fitted: no calibration row is host-bound (their host wait is under 1 %)
 H200_HBM_TBPS, H100_HBM_TBPS = 4.8, 3.35  # published HBM bandwidths
 
@@ -106,7 +109,7 @@ def fit() -> dict:
     """The calibration, from the CALIBRATION rows only."""
     rates, other, kernels = {}, {}, []
     attention_tflops = None
-    for file, case, _ in CALIBRATION[:3]:  # the rows with kernel-class times
+    for file, case, _ in (CALIBRATION[role] for role in KERNEL_RATE_ROLES):
         card, row = _row(file, case)
         cfg = compose_case(case)
         layout, tokens, micro, parts = _shape(cfg)
@@ -125,7 +128,7 @@ def fit() -> dict:
                         other_s_per_unit=other, memory_tbps=H200_HBM_TBPS, host_s_per_kernel=HOST_S_PER_KERNEL,
                         kernels_per_layer=statistics.mean(kernels), nvlink=nvlink_fits(), fitted_from=[], notes=[])
     # The eager rest: the uncompiled row's step less what the compiled rates predict for the rest
-    file, case, _ = CALIBRATION[3]
+    file, case, _ = CALIBRATION["eager"]
     _, row = _row(file, case)
     cfg = compose_case(case)
     layout, tokens, micro, parts = _shape(cfg)
@@ -134,13 +137,13 @@ def fit() -> dict:
     known = predicted.step_s - predicted.parts["other"]
     other["bf16_eager"] = (number(row["step s"]) - known) / (tokens * cfg.model.hidden_size * cfg.model.num_layers)
     # CP's ring: the share hidden is what the measured exposed time leaves of the α-β time
-    file, case, _ = CALIBRATION[4]
+    file, case, _ = CALIBRATION["cp"]
     _, row = _row(file, case)
     cfg = compose_case(case)
     ring = predict_step(cfg, layout_of(cfg), speeds).communication["cp"]["seconds"]
     hidden = min(1.0, max(0.0, 1.0 - number(row["exposed cp ms"]) / 1e3 / ring))
     h200 = dict(speeds.__dict__, other_s_per_unit=other, cp_ring_hidden=hidden,
-                fitted_from=[f"{f}{'' if c is None else ': ' + c} ({what})" for f, c, what in CALIBRATION],
+                fitted_from=[f"{f}{'' if c is None else ': ' + c} ({what})" for f, c, what in CALIBRATION.values()],
                 notes=[f"host seconds per kernel launch assumed {HOST_S_PER_KERNEL * 1e6:.0f} µs (no calibration "
                        "row is host-bound)", "NVLink α-β measured on 2 x H100 (NVLink 4, as H200's)"])
     ratio = H200_HBM_TBPS / H100_HBM_TBPS
@@ -160,7 +163,7 @@ def nvlink_fits() -> dict:
 
 # The test set -----------------------------------------------------------------------------------
 def calibration_cases() -> set[tuple[str, str]]:
-    return {(f, c) for f, c, _ in CALIBRATION if c}
+    return {(f, c) for f, c, _ in CALIBRATION.values() if c}
 
 
 def out_of_scope(cfg, spec: str) -> str | None:

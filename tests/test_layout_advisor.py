@@ -65,7 +65,7 @@ def test_the_calibration_reproduces_its_own_row_and_names_its_files():
     from gridwright.evaluations.validate_advisor import CALIBRATION, compose_case
 
     h200 = speeds_for("NVIDIA H200", load_calibration())
-    assert all(f in " ".join(h200.fitted_from) for f, _, _ in CALIBRATION)
+    assert all(f in " ".join(h200.fitted_from) for f, _, _ in CALIBRATION.values())
     cfg = compose_case("llama3_8b_16l_1gpu_mb2")
     p = predict_step(cfg, ParallelLayout.from_config(cfg), h200)
     assert p.step_s == pytest.approx(1.529, rel=0.02)  # the row's measured step (1 x H200)

@@ -10,7 +10,9 @@
 # tier, then `bench_gpu --suite te`; tier: the tier only; core: its core tests only; bench:
 # the suite only; core_bench: the core tests, then the suite (for a session short of device
 # time); rest_bench: the tier's tests an earlier call did not pass (RESUME=FILE.json, that
-# call's file), then the suite. CASES="a b" runs only those cases of the suite. Needs .whl/ and .te/ carried
+# call's file), then the suite. CASES="a b" runs only those cases of the suite. ADVISE=1
+# first runs `launcher=advise launcher.verify=3` on the 8B shape (16 layers, bf16 or torchao
+# FP8 offered) on this card, its advise.json and each run's summary.json kept in $R/advise. Needs .whl/ and .te/ carried
 # (docs/development.md, "Transformer Engine").
 R=/tmp/gwres; W=/tmp/gw; MODE=${2:-all}
 mkdir -p $R
@@ -22,6 +24,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export GRIDWRIGHT_COMMIT=${1:?commit}
 bash .te/install_te.sh .te /tmp/tesite && export PYTHONPATH=/tmp/tesite:$PYTHONPATH
 python -m pip install -q --no-deps .whl/*.whl && python -m pip install -q --no-deps --no-build-isolation -e .
+if [ -n "$ADVISE" ]; then
+    read -r gpu gib < <(python -c "import torch; p = torch.cuda.get_device_properties(0); \
+print(p.name.replace(' ', '_'), round(p.total_memory / 2**30, 1))")
+    timeout 480 python launch.py model=llama3_8b model.num_layers=16 cluster=h100_x1 cluster.gpu.name=$gpu \
+        cluster.gpu.memory_gib=$gib precision=bf16 engine.layer_spec=torch_native train.seq_length=4096 \
+        train.global_batch_size=8 train.lr=3e-4 train.min_lr=3e-5 train.warmup_steps=3 tracking=off \
+        launcher=advise 'launcher.precisions=[bf16,fp8_tensorwise]' launcher.verify=3 launcher.verify_steps=6 \
+        job_root=/tmp/adv > $R/advise.log 2>&1
+    echo "advise done: rc=$?"; date
+    (cd /tmp/adv && find . -name advise.json -o -name summary.json | tar czf $R/advise.tgz -T -)
+fi
 if [ "$MODE" = rest_bench ]; then
     timeout 420 python -m gridwright.evaluations.gpu_tier --out $R --budget 390 --test-timeout 200 \
         --resume "${RESUME:?RESUME=FILE.json}" > $R/gpu_tier_rest.log 2>&1

@@ -33,6 +33,7 @@ from gridwright.planning.step_time import (ADAM_BYTES_PER_PARAM, CALIBRATION_FIL
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evaluations" / "results"
 SWEEPS = REPO / "tests" / "data" / "sweeps"
+ADVICE = REPO / "tests" / "data" / "advice"  # advise.json files of launcher.verify runs on a GPU
 COMMON = ["tracking=off", "precision=bf16"]  # bench_gpu's own, less its learning-rate schedule
 
 # The rows the calibration is fitted from, by what each fits: {role: (file, case, what)};
@@ -356,8 +357,38 @@ def scale_rows() -> list[str]:
                          f"recompute={c.overrides['train.recompute']} | {c.prediction.tokens_per_s_per_gpu:,.0f} | "
                          f"{c.prediction.mfu * 100:.1f} % | {c.memory_gib:.0f} | {n['valid']} / {n['fit']} | "
                          f"{advice['seconds']:.1f} |")
-    return lines + ["", "² A valid layout (degrees and micro-batch) is tried with ZeRO 0 and 1 and three recompute "
-                    "choices; the configurations that fit the card's memory are ranked."]
+    return lines + ["", "² A valid layout (degrees and micro-batch) is tried with ZeRO 0 and 1 (where DP x CP > 1), "
+                    "three recompute choices and compiled layers or eager; the configurations that fit the card's "
+                    "memory are ranked."]
+
+
+def verified_rows() -> list[str]:
+    """`launcher.verify` runs recorded on a GPU (tests/data/advice/*.json, each an advise.json
+    as the advisor wrote it): predicted beside measured, and whether the measured order is
+    the predicted one. Not fitted on."""
+    lines = []
+    for path in sorted(ADVICE.glob("*.json")):
+        record = json.loads(path.read_text())
+        top = {t["rank"]: t for t in record["top"]}
+        lines += [f"`{path.relative_to(REPO)}`: {record['model']} on {record['gpus']} x {record['card']}, global batch "
+                  f"{record['global_batch_size']} x {record['seq_length']}, precisions offered "
+                  f"{', '.join(record.get('precisions') or [record['precision']])}", "",
+                  "| # | layout | predicted tok/s/GPU | measured | error | status |", "| --- | --- | --- | --- | --- | --- |"]
+        for v in record["verified"]:
+            o = top[v["rank"]]["overrides"]
+            words = (f"{v['layout']} mb{o['train.micro_batch_size']} recompute={o['train.recompute']} "
+                     f"{o.get('precision', record['precision'])} "
+                     f"{'compiled' if o.get('engine.compile_layers') else 'eager'}")
+            measured = v.get("measured_tokens_per_s_per_gpu")
+            error = f"{v['predicted_tokens_per_s_per_gpu'] / measured - 1:+.1%}" if measured else ""
+            lines.append(f"| {v['rank']} | {words} | {v['predicted_tokens_per_s_per_gpu']:,.0f} | "
+                         f"{measured or 0:,.0f} | {error} | {v['status']} |")
+        ran = [v for v in record["verified"] if v.get("measured_tokens_per_s_per_gpu")]
+        same = [v["rank"] for v in sorted(ran, key=lambda v: -v["measured_tokens_per_s_per_gpu"])] == \
+            [v["rank"] for v in ran]
+        lines += ["", f"Measured order: {'the predicted one' if same else 'not the predicted one'} "
+                  f"({len(ran)} of {len(record['verified'])} runs measured).", ""]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         text += ["", "## Megatron-Bridge's DGX-H100 rows", ""] + published_rows()
     if args.scale:
         text += ["", "## The advisor's best layouts on DGX-H100", ""] + scale_rows()
+    if ADVICE.is_dir() and any(ADVICE.glob("*.json")):
+        text += ["", "## `launcher.verify` on a GPU", ""] + verified_rows()
     print("\n".join(text))
     if args.out:
         from gridwright.evaluations.results_file import write_markdown

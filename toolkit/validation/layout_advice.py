@@ -217,7 +217,8 @@ def advice_record(cfg, advice: dict) -> dict:
     return {"format": "gridwright-advice/1", "model": cfg.model.name, "cluster": cfg.cluster.name,
             "gpus": int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node), "card": advice["card"],
             "global_batch_size": int(cfg.train.global_batch_size), "seq_length": int(cfg.train.seq_length),
-            "precision": cfg.precision.name, "flops_definition": cfg.evaluate.flops_definition,
+            "precision": cfg.precision.name, "precisions": list(cfg.launcher.get("precisions") or []),
+            "flops_definition": cfg.evaluate.flops_definition,
             "counted": advice["counted"], "seconds": round(advice["seconds"], 3),
             "top": [{"rank": i + 1, "overrides": c.overrides, "layout": c.layout.slug(), "memory_gib": c.memory_gib,
                      "problem": problem, **c.prediction.record()}

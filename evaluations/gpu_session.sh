@@ -11,7 +11,7 @@
 # the suite only; core_bench: the core tests, then the suite (for a session short of device
 # time); rest_bench: the tier's tests an earlier call did not pass (RESUME=FILE.json, that
 # call's file), then the suite. CASES="a b" runs only those cases of the suite. ADVISE=1
-# first runs `launcher=advise launcher.verify=3` on the 8B shape (16 layers, bf16 or torchao
+# first runs `launcher=advise launcher.verify=3` on the 8B shape (16 layers, 8 on an 80 GB card; bf16 or torchao
 # FP8 offered) on this card, its advise.json and each run's summary.json kept in $R/advise. Needs .whl/ and .te/ carried
 # (docs/development.md, "Transformer Engine").
 R=/tmp/gwres; W=/tmp/gw; MODE=${2:-all}
@@ -27,7 +27,8 @@ python -m pip install -q --no-deps .whl/*.whl && python -m pip install -q --no-d
 if [ -n "$ADVISE" ]; then
     read -r gpu gib < <(python -c "import torch; p = torch.cuda.get_device_properties(0); \
 print(p.name.replace(' ', '_'), round(p.total_memory / 2**30, 1))")
-    timeout 480 python launch.py model=llama3_8b model.num_layers=16 cluster=h100_x1 cluster.gpu.name=$gpu \
+    layers=16; [ "${gib%.*}" -lt 100 ] && layers=8  # 16 layers' weights and Adam outgrow an 80 GB card
+    timeout 480 python launch.py model=llama3_8b model.num_layers=$layers cluster=h100_x1 cluster.gpu.name=$gpu \
         cluster.gpu.memory_gib=$gib precision=bf16 engine.layer_spec=torch_native train.seq_length=4096 \
         train.global_batch_size=8 train.lr=3e-4 train.min_lr=3e-5 train.warmup_steps=3 tracking=off \
         launcher=advise 'launcher.precisions=[bf16,fp8_tensorwise]' launcher.verify=3 launcher.verify_steps=6 \

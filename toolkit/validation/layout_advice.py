@@ -1,13 +1,14 @@
 """Every valid layout of a model on a cluster, ranked by predicted speed: `launcher=advise`.
 
-The composed experiment fixes the model, the cluster, the global batch, the sequence and
-the precision; the advisor varies what a layout is: TP (with SP), PP, VPP, CP, EP and
-expert-TP, the ZeRO stage (the distributed optimizer or not, where there is more than one
-DP x CP rank to shard over), the micro-batch and recompute, compiled layers or eager on
-CUDA, the precisions `launcher.precisions` offers, with the speed options a layout can use
-(overlapped gradient reduce where DP > 1, TP communication overlap where TP > 1). Each candidate passes the same
-layout rules `validate` applies (`layout_rules.layout_passes`) and fits the card by the
-memory estimate, then is ranked by the step-time model (`planning.step_time`).
+The composed experiment fixes the model, the cluster, the global batch and the sequence;
+the advisor varies what a layout is: TP (with SP), PP, VPP, CP, EP and expert-TP, the ZeRO
+stage (the distributed optimizer or not, where there is more than one DP x CP rank to
+shard over), the micro-batch and recompute, compiled layers or eager on CUDA, and the
+precision among those `launcher.precisions` offers (else the composed one), with the speed
+options a layout can use (overlapped gradient reduce where DP > 1, TP communication
+overlap where TP > 1). Each candidate passes the same layout rules `validate` applies
+(`layout_rules.layout_passes`) and fits the card by the memory estimate, then is ranked by
+the step-time model (`planning.step_time`).
 
 Why not `validate()` per candidate: it composes and checks a whole config (engine, data,
 paths) in milliseconds, and a 1,024-GPU search has thousands of candidates; the rules that
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from itertools import product
 
 from ..basics.conf_dir import CONF_DIR
 from ..engine_rules.registry import rules
@@ -145,6 +147,7 @@ def rank_layouts(cfg, top: int = 10) -> dict:
     ranked: list[Candidate] = []
     gbs = int(base.train.global_batch_size)
     on_cuda = base.cluster.device == "cuda"  # compiled layers and TP overlap are CUDA's speed options
+    compile_choices = (True, False) if on_cuda else (False,)
     chosen = list(base.launcher.get("precisions") or [])
     precisions = {name: Plain({**base.precision, **precision_keys(name)}) for name in chosen} or {None: base.precision}
     for overrides, layout in layouts(base):
@@ -158,27 +161,25 @@ def rank_layouts(cfg, top: int = 10) -> dict:
                 continue
             counted["valid"] += 1
             # the distributed optimizer shards over DP x CP: with one such rank it is ZeRO 0
-            for stage in (0, 1) if layout.dp * layout.cp > 1 else (0,):
-                for recompute in RECOMPUTE:
-                    for name, precision in precisions.items():
-                        for compiled in (True, False) if on_cuda else (False,):
-                            engine_keys = {"compile_layers": compiled, "overlap_grad_reduce": layout.dp > 1,
-                                           "tp_comm_overlap": on_cuda and layout.tp > 1}
-                            trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
-                                               train={**train, "recompute": recompute},
-                                               zero={"stage": stage, "offload_optimizer": False,
-                                                     "offload_params": False},
-                                               engine=engine_keys)
-                            trial["precision"] = precision
-                            memory = estimate_memory(trial, layout, engine, params).total_gib
-                            if cap and memory > cap:
-                                continue
-                            counted["fit"] += 1
-                            prediction = predict_step(trial, layout, speeds, params)
-                            keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
-                                    "zero": f"stage{stage}", **({"precision": name} if name else {}),
-                                    **{f"engine.{k}": v for k, v in engine_keys.items()}}
-                            ranked.append(Candidate(keys, layout, memory, prediction))
+            stages = (0, 1) if layout.dp * layout.cp > 1 else (0,)
+            for stage, recompute, (name, precision), compiled in product(stages, RECOMPUTE, precisions.items(),
+                                                                         compile_choices):
+                engine_keys = {"compile_layers": compiled, "overlap_grad_reduce": layout.dp > 1,
+                               "tp_comm_overlap": on_cuda and layout.tp > 1}
+                trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
+                                   train={**train, "recompute": recompute},
+                                   zero={"stage": stage, "offload_optimizer": False, "offload_params": False},
+                                   engine=engine_keys)
+                trial["precision"] = precision
+                memory = estimate_memory(trial, layout, engine, params).total_gib
+                if cap and memory > cap:
+                    continue
+                counted["fit"] += 1
+                prediction = predict_step(trial, layout, speeds, params)
+                keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
+                        "zero": f"stage{stage}", **({"precision": name} if name else {}),
+                        **{f"engine.{k}": v for k, v in engine_keys.items()}}
+                ranked.append(Candidate(keys, layout, memory, prediction))
     # Equal speeds (to 0.1 %): the simpler layout first (fewer split dimensions), then the
     # one with more memory left
     ranked.sort(key=lambda c: (-round(math.log(c.prediction.tokens_per_s_per_gpu) / math.log(1.001)), c.layout.cp,

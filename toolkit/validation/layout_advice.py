@@ -162,24 +162,25 @@ def rank_layouts(cfg, top: int = 10) -> dict:
             counted["valid"] += 1
             # the distributed optimizer shards over DP x CP: with one such rank it is ZeRO 0
             stages = (0, 1) if layout.dp * layout.cp > 1 else (0,)
-            for stage, recompute, (name, precision), compiled in product(stages, RECOMPUTE, precisions.items(),
-                                                                         compile_choices):
-                engine_keys = {"compile_layers": compiled, "overlap_grad_reduce": layout.dp > 1,
-                               "tp_comm_overlap": on_cuda and layout.tp > 1}
+            for stage, recompute, (name, precision) in product(stages, RECOMPUTE, precisions.items()):
                 trial = base.with_(parallel={k.split(".")[1]: v for k, v in overrides.items()},
                                    train={**train, "recompute": recompute},
                                    zero={"stage": stage, "offload_optimizer": False, "offload_params": False},
-                                   engine=engine_keys)
+                                   engine={"overlap_grad_reduce": layout.dp > 1,
+                                           "tp_comm_overlap": on_cuda and layout.tp > 1})
                 trial["precision"] = precision
-                memory = estimate_memory(trial, layout, engine, params).total_gib
+                memory = estimate_memory(trial, layout, engine, params).total_gib  # compiled or not, the same
                 if cap and memory > cap:
                     continue
-                counted["fit"] += 1
-                prediction = predict_step(trial, layout, speeds, params)
-                keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
-                        "zero": f"stage{stage}", **({"precision": name} if name else {}),
-                        **{f"engine.{k}": v for k, v in engine_keys.items()}}
-                ranked.append(Candidate(keys, layout, memory, prediction))
+                for compiled in compile_choices:
+                    trial["engine"] = Plain({**trial.engine, "compile_layers": compiled})
+                    counted["fit"] += 1
+                    prediction = predict_step(trial, layout, speeds, params)
+                    keys = {**overrides, "train.micro_batch_size": mbs, "train.recompute": recompute,
+                            "zero": f"stage{stage}", **({"precision": name} if name else {}),
+                            **{f"engine.{k}": trial.engine[k]
+                               for k in ("compile_layers", "overlap_grad_reduce", "tp_comm_overlap")}}
+                    ranked.append(Candidate(keys, layout, memory, prediction))
     # Equal speeds (to 0.1 %): the simpler layout first (fewer split dimensions), then the
     # one with more memory left
     ranked.sort(key=lambda c: (-round(math.log(c.prediction.tokens_per_s_per_gpu) / math.log(1.001)), c.layout.cp,

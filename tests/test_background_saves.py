@@ -164,10 +164,10 @@ def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path, engin
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_saves_during_a_write_wait_or_skip_and_resume_exactly(tmp_path, engine):
+def test_saves_during_a_write_wait_or_skip(tmp_path, engine):
     """Saving every step, each save comes while the previous is written: `wait` saves them
-    all, `skip` skips and says so; a background checkpoint resumes with the uninterrupted
-    run's losses at every step."""
+    all, `skip` skips and says so. (That a background checkpoint resumes with the
+    uninterrupted run's losses is the layout tests' below: the writer is the same.)"""
     base = [f"engine={engine}", *MEDIUM, "train.steps=5", "checkpoint.save_interval=1"]
     out = {}
     for busy in ("wait", "skip"):
@@ -186,15 +186,6 @@ def test_saves_during_a_write_wait_or_skip_and_resume_exactly(tmp_path, engine):
     assert skipped and all(l.endswith("is still being written (checkpoint.async_busy=skip)") for l in skipped)
     kept = sorted(p.name for p in (tmp_path / "wait_ck").iterdir() if p.name.startswith("iter_"))
     assert kept == [f"iter_{s:07d}" for s in range(1, 6)]
-
-    reference, ck = losses(tmp_path / "wait"), tmp_path / "wait_ck"
-    (ck / "latest").write_text("iter_0000002\n")
-    resumed = subprocess.run([sys.executable, str(REPO / "launch.py"), "tracking=off", f"job_dir={tmp_path / 'r'}",
-                              "train.warmup_steps=1", *base, f"checkpoint.load={ck}"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    after = losses(tmp_path / "r")
-    assert sorted(after) == list(range(2, 5)) and all(after[s] == reference[s] for s in after), (after, reference)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -121,7 +121,7 @@ def test_a_kill_mid_write_keeps_latest_and_publishes_nothing(tmp_path, engine, v
 def test_sigterm_waits_for_the_write_then_saves_and_stops(tmp_path, engine):
     ck = tmp_path / "ck"
     proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}",
-                 "checkpoint.save_interval=4")
+                 "checkpoint.save_interval=4", "checkpoint.keep_last=2")
     try:
         _, w = wait_for_a_write(tmp_path / "job", ck, proc)
         tree = run_tree(proc)
@@ -143,7 +143,7 @@ def test_a_stop_abandons_a_write_past_its_bound_and_keeps_latest(tmp_path, engin
     """A writer that cannot finish (stopped here) holds a stop for the save's bound only."""
     ck = tmp_path / "ck"
     proc = start(tmp_path, "job", f"engine={engine}", *MEDIUM, "train.steps=400", f"checkpoint.save={ck}", "checkpoint.save_interval=2",
-                 "watchdog.save_floor_s=5")
+                 "checkpoint.keep_last=2", "watchdog.save_floor_s=5")
     try:
         before, w = wait_for_a_write(tmp_path / "job", ck, proc)
         writer, tree = psutil.Process(w["pid"]), run_tree(proc)

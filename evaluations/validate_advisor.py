@@ -366,6 +366,8 @@ def verified_rows() -> list[str]:
     """`launcher.verify` runs recorded on a GPU (tests/data/advice/*.json, each an advise.json
     as the advisor wrote it): predicted beside measured, and whether the measured order is
     the predicted one. Not fitted on."""
+    from gridwright.validation.layout_advice import measured_in_predicted_order
+
     lines = []
     for path in sorted(ADVICE.glob("*.json")):
         record = json.loads(path.read_text())
@@ -383,11 +385,10 @@ def verified_rows() -> list[str]:
             error = f"{v['predicted_tokens_per_s_per_gpu'] / measured - 1:+.1%}" if measured else ""
             lines.append(f"| {v['rank']} | {words} | {v['predicted_tokens_per_s_per_gpu']:,.0f} | "
                          f"{measured or 0:,.0f} | {error} | {v['status']} |")
-        ran = [v for v in record["verified"] if v.get("measured_tokens_per_s_per_gpu")]
-        same = [v["rank"] for v in sorted(ran, key=lambda v: -v["measured_tokens_per_s_per_gpu"])] == \
-            [v["rank"] for v in ran]
-        lines += ["", f"Measured order: {'the predicted one' if same else 'not the predicted one'} "
-                  f"({len(ran)} of {len(record['verified'])} runs measured).", ""]
+        ran = sum(bool(v.get("measured_tokens_per_s_per_gpu")) for v in record["verified"])
+        same = measured_in_predicted_order(record["verified"])
+        order = {True: "the predicted one", False: "not the predicted one", None: "not known"}[same]
+        lines += ["", f"Measured order: {order} ({ran} of {len(record['verified'])} runs measured).", ""]
     return lines
 
 

@@ -65,6 +65,19 @@ def tried_with(cfg, overrides: dict):
             OmegaConf.update(cfg, key, value, merge=False)
 
 
+def option_keys(group: str, option: str) -> dict | None:
+    """A group's option (`precision=bf16`: conf/precision/bf16.yaml) as the dotted keys it
+    sets, as a fix or an advised layout applies it to a composed config; None where the
+    group has no such option."""
+    from ..basics.conf_dir import CONF_DIR
+
+    path = CONF_DIR / group / f"{option}.yaml"
+    if "." in group or not path.is_file():
+        return None
+    values = OmegaConf.to_container(OmegaConf.load(path))
+    return {f"{group}.{k}": v for k, v in values.items() if k != "defaults"}
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

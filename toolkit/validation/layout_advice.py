@@ -28,7 +28,7 @@ from ..planning.layout import ParallelLayout
 from ..planning.memory_estimate import estimate_memory
 from ..planning.model_math import param_counts
 from ..planning.step_time import StepPrediction, load_calibration, predict_step, speeds_for
-from .fix_advice import divisors
+from .fix_advice import divisors, option_keys
 from .layout_rules import layout_passes
 
 RECOMPUTE = ("none", "selective", "full")
@@ -88,15 +88,13 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def precision_keys(name: str) -> dict:
-    """The keys a precision preset sets (conf/precision/NAME.yaml), as the advisor and its
-    verify apply `precision=NAME` to a composed config."""
-    import yaml
-
-    path = CONF_DIR / "precision" / f"{name}.yaml"
-    if not path.is_file():
+    """The dotted keys a precision preset sets (conf/precision/NAME.yaml), as the advisor and
+    its verify apply `precision=NAME` to a composed config."""
+    keys = option_keys("precision", name)
+    if keys is None:
         raise ValueError(f"launcher.precisions names {name!r}, not a precision preset; the presets: "
                          + ", ".join(sorted(p.stem for p in (CONF_DIR / "precision").glob("*.yaml"))))
-    return {k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items() if not k.startswith("#")}
+    return keys
 
 
 def layouts(cfg: Plain):
@@ -149,7 +147,9 @@ def rank_layouts(cfg, top: int = 10) -> dict:
     on_cuda = base.cluster.device == "cuda"  # compiled layers and TP overlap are CUDA's speed options
     compile_choices = (True, False) if on_cuda else (False,)
     chosen = list(base.launcher.get("precisions") or [])
-    precisions = {name: Plain({**base.precision, **precision_keys(name)}) for name in chosen} or {None: base.precision}
+    precisions = {name: Plain({**base.precision, **{k.removeprefix("precision."): v
+                                                    for k, v in precision_keys(name).items()}})
+                  for name in chosen} or {None: base.precision}
     for overrides, layout in layouts(base):
         for mbs in MICRO_BATCHES:
             if gbs % (mbs * layout.dp):
@@ -195,7 +195,7 @@ def config_keys(overrides: dict) -> dict:
     groups as the keys they set)."""
     keys = {k: v for k, v in overrides.items() if k not in ("zero", "precision")}
     if "precision" in overrides:
-        keys |= {f"precision.{k}": v for k, v in precision_keys(overrides["precision"]).items()}
+        keys |= precision_keys(overrides["precision"])
     return keys | {"zero.stage": int(overrides["zero"][5:]), "zero.offload_optimizer": False,
                    "zero.offload_params": False}
 
@@ -248,12 +248,20 @@ def verified_lines(verified: list[dict]) -> list[str]:
         error = f"{v['predicted_tokens_per_s_per_gpu'] / measured - 1:+.0%}" if measured else ""
         lines.append(f"            {v['rank']:>2} {v['predicted_tokens_per_s_per_gpu']:>19,.0f} "
                      f"{measured or 0:>9,.0f} {error:>7}  {v['layout']} ({v['status']}; {v['job_dir']})")
-    ran = [v for v in verified if v.get("measured_tokens_per_s_per_gpu")]
-    if len(ran) > 1:
-        same = [v["rank"] for v in sorted(ran, key=lambda v: -v["measured_tokens_per_s_per_gpu"])] == \
-            [v["rank"] for v in ran]
+    same = measured_in_predicted_order(verified)
+    if same is not None:
         lines.append("            measured order " + ("is the predicted one" if same else "differs from the predicted one"))
     return lines
+
+
+def measured_in_predicted_order(verified: list[dict]) -> bool | None:
+    """Whether the verified layouts that were measured rank by measured speed as they were
+    predicted (advise.json's "verified", in predicted order); None with fewer than two."""
+    ran = [v for v in verified if v.get("measured_tokens_per_s_per_gpu")]
+    if len(ran) < 2:
+        return None
+    by_measured = sorted(ran, key=lambda v: -v["measured_tokens_per_s_per_gpu"])
+    return [v["rank"] for v in by_measured] == [v["rank"] for v in ran]
 
 
 def advice_lines(record: dict) -> list[str]:
@@ -261,8 +269,8 @@ def advice_lines(record: dict) -> list[str]:
     n = record["counted"]
     lines = [f"advise      {record['model']} on {record['gpus']} x {record['card']} ({record['cluster']}), global batch "
              f"{record['global_batch_size']} x {record['seq_length']}, {record['precision']}: "
-             f"{n['layouts']} layouts, {n['valid']} valid; {n['fit']} configurations of them (ZeRO, recompute, precision, compile) fit "
-             f"({record['seconds']:.1f} s)"]
+             f"{n['layouts']} layouts, {n['valid']} valid; {n['fit']} configurations of them (ZeRO, recompute, "
+             f"precision, compile) fit ({record['seconds']:.1f} s)"]
     if not record["top"]:
         lines.append("            no layout fits: a bigger cluster or a smaller model")
         return lines

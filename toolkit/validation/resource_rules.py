@@ -16,7 +16,8 @@ from ..runtime.machine_probe import host_memory_bytes
 from ..planning.memory_estimate import GIB, estimate_memory, host_memory_estimate
 from ..planning.placement import plan_placement
 from ..planning.plan import CommProfileProblem, Plan, derive_plan
-from .fix_advice import divisors, fix_overrides, fix_text, nearest_first, override_words, tried_with, yaml_value
+from .fix_advice import (divisors, fix_overrides, fix_text, nearest_first, option_keys, override_words, tried_with,
+                         yaml_value)
 from .input_rules import check_engine
 from .layout_rules import check_nvlink_domains, layout_passes
 
@@ -222,10 +223,9 @@ def _as_keys(cfg, overrides: list[str]) -> dict | None:
     out = {}
     for word in overrides:
         key, _, value = word.partition("=")
-        option = CONF_DIR / key / f"{value}.yaml"
-        if "." not in key and option.is_file():
-            values = OmegaConf.to_container(OmegaConf.load(option))
-            out |= {f"{key}.{k}": v for k, v in values.items() if k != "defaults"}
+        option = option_keys(key, value)
+        if option is not None:
+            out |= option
         elif OmegaConf.select(cfg, key, default="absent") != "absent":
             out[key] = yaml_value(value)
         else:
